@@ -1,0 +1,57 @@
+"""Kalos: a zero-copy memory-recall sidecar for LLM services.
+
+Start a sidecar with ``kalos serve --name NAME --dim D``, then from the inference service::
+
+    import kalos
+    client = kalos.connect("NAME")
+    client.add(vectors, ids, payloads=texts, scope=kalos.Scope("acme", "user-1"))
+    hits = client.search(query, k=10, scope=kalos.Scope("acme"))
+    hits.ids, hits.scores, hits.payloads   # numpy views into the channel, then payloads
+
+Results are views valid until the same thread's next call; ``copy=True`` gives owned arrays.
+"""
+
+__version__ = "0.1.0"
+
+from kalos.client import Client, SearchResult, Timings, connect  # noqa: E402
+from kalos.errors import (  # noqa: E402
+    ClosedError,
+    ConfigError,
+    Conflict,
+    ConnectError,
+    InvalidRequest,
+    KalosError,
+    NotFound,
+    PayloadTooLarge,
+    ProtocolMismatch,
+    RequestTimeout,
+    ServerError,
+    SidecarGone,
+    StoreError,
+    TransportError,
+)
+from kalos.protocol import PROTOCOL_VERSION, Scope  # noqa: E402
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Client",
+    "ClosedError",
+    "ConfigError",
+    "Conflict",
+    "ConnectError",
+    "InvalidRequest",
+    "KalosError",
+    "NotFound",
+    "PayloadTooLarge",
+    "ProtocolMismatch",
+    "RequestTimeout",
+    "Scope",
+    "SearchResult",
+    "ServerError",
+    "SidecarGone",
+    "StoreError",
+    "Timings",
+    "TransportError",
+    "__version__",
+    "connect",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from kalos.cli import main
+
+sys.exit(main())

@@ -1,0 +1,100 @@
+"""The ``kalos`` command: serve, status, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+
+from kalos.errors import KalosError
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kalos.server import Sidecar, SidecarConfig
+
+    config = SidecarConfig(
+        name=args.name,
+        dim=args.dim,
+        metric=args.metric,
+        device=args.device,
+        index=args.index,
+        runtime_dir=args.runtime_dir,
+        spin_us=args.spin_us,
+        allowed_uids=tuple(args.allow_uid),
+        allowed_gid=args.allow_gid,
+    )
+    sidecar = Sidecar(config)
+
+    def on_signal(signum: int, frame: object) -> None:
+        sidecar.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    sidecar.serve()
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from kalos.client import connect
+
+    with connect(args.name, runtime_dir=args.runtime_dir, timeout=args.timeout) as client:
+        print(json.dumps(client.stats(), indent=2, sort_keys=True))
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from kalos.bench import run_scenario
+
+    return run_scenario(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kalos.bench import add_bench_parsers
+
+    parser = argparse.ArgumentParser(prog="kalos", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run a sidecar in the foreground")
+    serve.add_argument("--name", required=True, help="the sidecar's name (its socket)")
+    serve.add_argument("--dim", type=int, required=True, help="vector dimension")
+    serve.add_argument("--metric", choices=("ip", "cosine", "l2"), default="ip")
+    serve.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    serve.add_argument("--index", default=None, help="index spec string, e.g. cpu:flat")
+    serve.add_argument("--runtime-dir", default=None, help="socket directory")
+    serve.add_argument("--spin-us", type=float, default=200.0,
+                       help="µs to keep polling after the last request before parking")  # fmt: skip
+    serve.add_argument("--allow-uid", type=int, action="append", default=[],
+                       help="another uid allowed to connect (repeatable)")  # fmt: skip
+    serve.add_argument("--allow-gid", type=int, default=None, help="a gid allowed to connect")
+    serve.set_defaults(func=_serve)
+
+    status = sub.add_parser("status", help="print a running sidecar's stats as JSON")
+    status.add_argument("--name", required=True)
+    status.add_argument("--runtime-dir", default=None)
+    status.add_argument("--timeout", type=float, default=2.0)
+    status.set_defaults(func=_status)
+
+    bench = sub.add_parser("bench", help="run a named benchmark scenario")
+    add_bench_parsers(bench)
+    bench.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    try:
+        return int(args.func(args))
+    except KalosError as exc:
+        print(f"kalos: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""Op codes, status codes, metric and payload codes, and the protocol version.
+
+Status codes travel in every response header; the client turns a non-OK status into one
+exception of :mod:`kalos.errors` through :func:`error_for_status`, in this one place.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from kalos import errors
+
+# (major, minor). A client and a sidecar talk when their majors are equal; the minor is
+# negotiated down to the smaller of the two. docs/PROTOCOL.md says what a minor may change.
+PROTOCOL_VERSION = (1, 0)
+
+MAX_K = 1024  # largest k a search may ask for
+
+
+class Op(enum.IntEnum):
+    PING = 1
+    STATS = 2
+    ADD = 3  # upsert: an existing id is replaced
+    REMOVE = 4
+    SEARCH = 5
+
+
+class Status(enum.IntEnum):
+    OK = 0
+    INVALID_REQUEST = 1  # bad input: wrong dim, NaN, k out of range, malformed body
+    UNKNOWN_OP = 2
+    PAYLOAD_TOO_LARGE = 3  # request or response does not fit the arena
+    NOT_FOUND = 4
+    CONFLICT = 5
+    TIMEOUT = 6  # the request's deadline had passed when the sidecar reached it
+    SERVER_ERROR = 7  # the sidecar failed; the message says what, never a traceback
+    UNAVAILABLE = 8  # the sidecar is starting or stopping
+
+
+METRICS = ("ip", "cosine", "l2")  # index = the code in the control segment
+
+# Payload kinds of a memory item.
+PAYLOAD_NONE = 0
+PAYLOAD_TEXT = 1
+PAYLOAD_BYTES = 2
+
+# Vector dtypes on the wire.
+DTYPE_F32 = 0
+DTYPE_F16 = 1
+
+# SEARCH flags.
+SEARCH_WANT_PAYLOADS = 1
+
+
+_STATUS_ERRORS: dict[int, type[errors.KalosError]] = {
+    Status.INVALID_REQUEST: errors.InvalidRequest,
+    Status.UNKNOWN_OP: errors.InvalidRequest,
+    Status.PAYLOAD_TOO_LARGE: errors.PayloadTooLarge,
+    Status.NOT_FOUND: errors.NotFound,
+    Status.CONFLICT: errors.Conflict,
+    Status.TIMEOUT: errors.RequestTimeout,
+}
+
+
+def error_for_status(status: int, message: str) -> errors.KalosError:
+    """The exception a client raises for a non-OK ``status`` with the sidecar's ``message``."""
+    cls = _STATUS_ERRORS.get(status)
+    if cls is not None:
+        return cls(message)
+    return errors.ServerError(message or f"sidecar error (status {status})", code=status)

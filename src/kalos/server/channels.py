@@ -1,0 +1,156 @@
+"""Server side of the shm channels: the channel record and the poller that serves them.
+
+One poller thread serves every channel. While requests flow it spins over the channels'
+request sequence words (one acquire-load each); once no request came for ``spin_us`` it parks
+on the control segment's doorbell, so an idle sidecar costs nothing but a heartbeat.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from kalos import _native
+from kalos.protocol import layout as L
+from kalos.protocol.codes import Status
+from kalos.protocol.messages import encode_text
+from kalos.transport.memory import SharedMemory, create
+
+log = logging.getLogger("kalos.server")
+
+_monotonic_ns = time.monotonic_ns
+_load = _native.load_acquire
+_store = _native.store_release
+_publish = _native.publish
+
+
+class ServerChannel:
+    """One client thread's channel, as the sidecar sees it."""
+
+    def __init__(self, channel_id: int, epoch: int, arena_bytes: int) -> None:
+        self.id = channel_id
+        self.arena_bytes = arena_bytes
+        self.fd = create(f"kalos-channel-{channel_id}", L.channel_size(arena_bytes))
+        self.mem = SharedMemory(self.fd, L.channel_size(arena_bytes))
+        req_off = L.CHANNEL_HEADER_SIZE
+        resp_off = req_off + arena_bytes
+        L.CHAN_HEADER.pack_into(
+            self.mem.buf, 0, L.CHANNEL_MAGIC, L.LAYOUT_VERSION, channel_id, epoch,
+            arena_bytes, req_off, resp_off,
+        )  # fmt: skip
+        self.buf = self.mem.buf
+        self.req_arena = self.buf[req_off : req_off + arena_bytes]
+        self.resp_arena = self.buf[resp_off : resp_off + arena_bytes]
+        a = self.mem.addr
+        self.req_seq = a + L.REQ_SEQ
+        self.resp_seq = a + L.RESP_SEQ
+        self.client_parked = a + L.CHAN_CLIENT_PARKED
+        self.client_bell = a + L.CHAN_CLIENT_BELL
+        self.last_seq = 0
+        self.requests = 0
+
+
+class Poller:
+    """Serves every shm channel from one thread (see the module docstring)."""
+
+    def __init__(self, control: SharedMemory, handle, lock: threading.Lock, *, spin_us: float,
+                 heartbeat_ms: float) -> None:  # fmt: skip
+        self._ctrl = control
+        self._handle = handle  # Dispatcher.handle
+        self._lock = lock
+        self._spin_ns = int(spin_us * 1000)
+        self._heartbeat_ns = int(heartbeat_ms * 1e6)
+        self.channels: tuple[ServerChannel, ...] = ()
+        self.stopping = False
+        a = control.addr
+        self._parked = a + L.CTRL_SERVER_PARKED
+        self._bell = a + L.CTRL_BELL
+        self._hb_ns = a + L.CTRL_HEARTBEAT_NS
+        self._hb_count = a + L.CTRL_HEARTBEAT_COUNT
+
+    def add(self, ch: ServerChannel) -> None:
+        self.channels = (*self.channels, ch)
+
+    def remove(self, ch: ServerChannel) -> None:
+        # The poller may still hold the old tuple and answer one last request on this channel;
+        # its memory stays mapped until the last reference goes, so that is harmless.
+        self.channels = tuple(c for c in self.channels if c is not ch)
+
+    def wake(self) -> None:
+        _native.fetch_add(self._bell, 1)
+        _native.futex_wake(self._bell, 1 << 30)
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.wake()
+
+    def run(self) -> None:
+        """The poll loop; returns once :meth:`stop` was called."""
+        last_work = _monotonic_ns()
+        next_beat = 0
+        beats = 0
+        while not self.stopping:
+            worked = False
+            for ch in self.channels:
+                seq = _load(ch.req_seq)
+                if seq != ch.last_seq:
+                    self.serve(ch, seq)
+                    worked = True
+            now = _monotonic_ns()
+            if now >= next_beat:
+                beats += 1
+                _store(self._hb_ns, now)
+                _store(self._hb_count, beats)
+                next_beat = now + self._heartbeat_ns
+            if worked:
+                last_work = now
+                continue
+            if now - last_work < self._spin_ns:
+                continue
+            if self._park():
+                last_work = _monotonic_ns()
+
+    def _park(self) -> bool:
+        """Sleeps on the doorbell until a client rings it or a heartbeat is due.
+
+        Dekker handshake with the client's ``publish``: we set PARKED, fence, then re-check
+        every channel; the client stores its sequence, fences, then checks PARKED. One of
+        the two always sees the other, so a request is never left waiting.
+        """
+        bell = _load(self._bell)
+        _store(self._parked, 1)
+        _native.fence()
+        try:
+            for ch in self.channels:
+                if _load(ch.req_seq) != ch.last_seq:
+                    return True
+            if self.stopping:
+                return False
+            return bool(_native.futex_wait(self._bell, bell & 0xFFFFFFFF, self._heartbeat_ns))
+        finally:
+            _store(self._parked, 0)
+
+    def serve(self, ch: ServerChannel, seq: int) -> None:
+        """Answers the request published with ``seq`` on ``ch``."""
+        picked = _monotonic_ns()
+        buf = ch.buf
+        op, flags, body_len, publish_ns, deadline_ns = L.REQ_FIELDS.unpack_from(buf, L.REQ_OP)
+        queue_ns = picked - publish_ns if 0 < publish_ns <= picked else 0
+        if body_len > ch.arena_bytes:
+            status = Status.PAYLOAD_TOO_LARGE
+            n = encode_text(ch.resp_arena, f"request body of {body_len} bytes exceeds the arena")
+            compute_ns = write_ns = 0
+        elif deadline_ns and picked > deadline_ns:
+            status = Status.TIMEOUT
+            n = encode_text(ch.resp_arena, "the request's deadline passed before it was served")
+            compute_ns = write_ns = 0
+        else:
+            with self._lock:
+                status, n, compute_ns, write_ns = self._handle(
+                    op, flags, ch.req_arena[:body_len], ch.resp_arena
+                )
+        L.RESP_FIELDS.pack_into(buf, L.RESP_STATUS, status, 0, n, queue_ns, compute_ns, write_ns)
+        ch.last_seq = seq
+        ch.requests += 1
+        _publish(ch.resp_seq, seq, ch.client_parked, ch.client_bell)

@@ -1,0 +1,56 @@
+"""The sidecar's configuration: one immutable object, built by the CLI or by tests."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from kalos.errors import ConfigError
+from kalos.paths import check_name
+from kalos.protocol import codes
+from kalos.protocol import layout as L
+
+
+@dataclasses.dataclass(frozen=True)
+class SidecarConfig:
+    name: str
+    dim: int
+    metric: str = "ip"
+    device: str = "cpu"
+    index: str | None = None  # spec string; None: the device's exact default
+    runtime_dir: str | None = None
+    max_arena_bytes: int = 64 << 20  # the largest arena a client may negotiate
+    max_channels: int = 1024
+    # Spin this long after the last request before parking: while requests flow the poller
+    # answers in ~1 µs; a futex wake costs ~25 µs on a 2-vCPU VM (DESIGN.md).
+    spin_us: float = 200.0
+    heartbeat_ms: float = 100.0  # parked sidecars still beat this often (≈0.1% of a core)
+    allowed_uids: tuple[int, ...] = ()  # besides the sidecar's own uid
+    allowed_gid: int | None = None
+
+    def __post_init__(self) -> None:
+        check_name(self.name)
+        if not 1 <= self.dim <= 65536:
+            raise ConfigError(f"dim must be between 1 and 65536, got {self.dim}")
+        if self.metric not in codes.METRICS:
+            raise ConfigError(f"metric must be one of {', '.join(codes.METRICS)}")
+        if not self.device.startswith(("cpu", "cuda")):
+            raise ConfigError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if not L.MIN_ARENA_BYTES <= self.max_arena_bytes <= L.MAX_ARENA_BYTES:
+            raise ConfigError("max_arena_bytes out of range")
+
+    @property
+    def index_spec(self) -> str:
+        if self.index:
+            return self.index
+        if self.device.startswith("cuda"):
+            return f"{self.device}:flat,fp16"
+        return "cpu:flat"
+
+    def peer_allowed(self, uid: int, gid: int) -> bool:
+        """Whether a peer with these credentials (SO_PEERCRED) may connect."""
+        return (
+            uid == os.getuid()
+            or uid in self.allowed_uids
+            or (self.allowed_gid is not None and gid == self.allowed_gid)
+        )

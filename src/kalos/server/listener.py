@@ -1,0 +1,204 @@
+"""The handshake listener: accepts clients on the Unix socket and gives each a channel.
+
+Each accepted connection gets its own thread: it checks the peer's credentials
+(SO_PEERCRED), negotiates the protocol version and then either hands over a shm channel (and
+waits for the connection to close, which frees the channel) or serves uds frames itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kalos.protocol import layout as L
+from kalos.protocol.codes import PROTOCOL_VERSION, Status
+from kalos.protocol.messages import encode_text
+from kalos.server.channels import Poller, ServerChannel
+from kalos.server.config import SidecarConfig
+from kalos.transport.handshake import recv_message, send_message
+from kalos.transport.uds import recv_exactly
+
+log = logging.getLogger("kalos.server")
+
+HANDSHAKE_TIMEOUT_S = 5.0
+_PEERCRED = struct.Struct("3i")
+
+
+class Listener:
+    def __init__(
+        self,
+        config: SidecarConfig,
+        path: str,
+        control_fd: int,
+        epoch: int,
+        poller: Poller,
+        handle: Callable[..., tuple[int, int, int, int]],
+        lock: threading.Lock,
+        info: Callable[[], dict[str, Any]],
+    ) -> None:
+        self.config = config
+        self.path = path
+        self._control_fd = control_fd
+        self._epoch = epoch
+        self._poller = poller
+        self._handle = handle
+        self._lock = lock
+        self._info = info
+        self._ids = itertools.count(1)
+        self._conns: set[socket.socket] = set()
+        self._conns_lock = threading.Lock()
+        self.connects = 0
+        self.refused = 0
+        self.uds_connections = 0
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind(path)
+        os.chmod(path, 0o660 if config.allowed_gid is not None else 0o600)
+        if config.allowed_gid is not None:
+            os.chown(path, -1, config.allowed_gid)
+        self._sock.listen(128)
+        self._thread = threading.Thread(target=self._accept_loop, name="kalos-listener",
+                                        daemon=True)  # fmt: skip
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stops accepting and disconnects every client (they see EOF: SidecarGone)."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        with self._conns_lock:
+            conns = list(self._conns)
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._thread.join(timeout=2)
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._serve_connection, args=(conn,),
+                             name="kalos-conn", daemon=True).start()  # fmt: skip
+
+    def _serve_connection(self, conn: socket.socket) -> None:
+        with self._conns_lock:
+            self._conns.add(conn)
+        try:
+            self._handshake_and_serve(conn)
+        except (OSError, ConnectionError) as exc:
+            log.debug("connection ended: %s", exc)
+        except Exception:
+            log.exception("connection failed")
+        finally:
+            with self._conns_lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _handshake_and_serve(self, conn: socket.socket) -> None:
+        pid, uid, gid = _PEERCRED.unpack(
+            conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+        )
+        if not self.config.peer_allowed(uid, gid):
+            self.refused += 1
+            log.warning("refused a client: pid %d uid %d gid %d", pid, uid, gid)
+            send_message(conn, {"ok": False, "error": "refused",
+                                "message": f"uid {uid} may not use this sidecar"})  # fmt: skip
+            return
+        conn.settimeout(HANDSHAKE_TIMEOUT_S)
+        hello, fds = recv_message(conn)
+        for fd in fds:
+            os.close(fd)
+        reply = self._negotiate(hello)
+        if not reply["ok"]:
+            send_message(conn, reply)
+            return
+        self.connects += 1
+        conn.settimeout(None)
+        if hello.get("transport") == "uds":
+            send_message(conn, reply)
+            self.uds_connections += 1
+            try:
+                self._serve_uds(conn, reply["arena_bytes"])
+            finally:
+                self.uds_connections -= 1
+            return
+        ch = ServerChannel(next(self._ids), self._epoch, reply["arena_bytes"])
+        reply["channel_id"] = ch.id
+        try:
+            send_message(conn, reply, [self._control_fd, ch.fd])
+        finally:
+            os.close(ch.fd)
+        self._poller.add(ch)
+        try:
+            while conn.recv(4096):  # the client never writes after the handshake
+                pass
+        finally:
+            self._poller.remove(ch)
+
+    def _negotiate(self, hello: dict[str, Any]) -> dict[str, Any]:
+        major, minor = PROTOCOL_VERSION
+        theirs = hello.get("protocol")
+        if hello.get("magic") != "KALO" or not isinstance(theirs, list) or len(theirs) != 2:
+            return {"ok": False, "error": "bad_hello", "message": "not a Kalos handshake"}
+        if theirs[0] != major:
+            return {"ok": False, "error": "protocol_mismatch", "protocol": [major, minor],
+                    "message": f"sidecar speaks {major}.{minor}, client {theirs[0]}.{theirs[1]}"}  # fmt: skip
+        if hello.get("transport") not in ("shm", "uds"):
+            return {"ok": False, "error": "bad_transport", "message": "transport must be shm or uds"}
+        if len(self._poller.channels) >= self.config.max_channels:
+            return {"ok": False, "error": "busy", "message": "too many channels"}
+        try:
+            arena = int(hello.get("arena_bytes", L.DEFAULT_ARENA_BYTES))
+        except (TypeError, ValueError):
+            arena = L.DEFAULT_ARENA_BYTES
+        arena = max(L.MIN_ARENA_BYTES, min(arena, self.config.max_arena_bytes))
+        arena = (arena + L.PAGE - 1) // L.PAGE * L.PAGE
+        return dict(
+            self._info(), ok=True, protocol=[major, min(minor, int(theirs[1]))],
+            epoch=self._epoch, arena_bytes=arena, server_pid=os.getpid(),
+        )  # fmt: skip
+
+    def _serve_uds(self, conn: socket.socket, arena: int) -> None:
+        """Serves request frames on ``conn`` until it closes."""
+        head = np.zeros(L.REQ_FRAME.size, np.uint8)
+        head_view = memoryview(head)  # type: ignore[arg-type]
+        body = np.zeros(arena, np.uint8)
+        body_view = memoryview(body)  # type: ignore[arg-type]
+        out = np.zeros(L.RESP_FRAME.size + arena, np.uint8)
+        out_view = memoryview(out)  # type: ignore[arg-type]
+        resp = out[L.RESP_FRAME.size :]
+        while True:
+            try:
+                recv_exactly(conn, head_view)
+            except ConnectionError:
+                return
+            seq, op, flags, body_len, publish_ns, deadline_ns = L.REQ_FRAME.unpack_from(head, 0)
+            picked = time.monotonic_ns()
+            if body_len > arena:
+                # The stream cannot be resynchronised past a frame we will not read.
+                n = encode_text(resp, f"request body of {body_len} bytes exceeds the arena")
+                L.RESP_FRAME.pack_into(out, 0, seq, Status.PAYLOAD_TOO_LARGE, 0, n, 0, 0, 0)
+                conn.sendall(out_view[: L.RESP_FRAME.size + n])
+                return
+            recv_exactly(conn, body_view[:body_len])
+            queue_ns = picked - publish_ns if 0 < publish_ns <= picked else 0
+            with self._lock:
+                status, n, compute_ns, write_ns = self._handle(op, flags, body[:body_len], resp)
+            L.RESP_FRAME.pack_into(out, 0, seq, status, 0, n, queue_ns, compute_ns, write_ns)
+            conn.sendall(out_view[: L.RESP_FRAME.size + n])

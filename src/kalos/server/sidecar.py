@@ -1,0 +1,152 @@
+"""The sidecar process: control segment, listener, poller and their lifecycle.
+
+``Sidecar(config).serve()`` runs in the calling thread until :meth:`Sidecar.stop` (the CLI
+calls it from SIGTERM/SIGINT); ``start()`` runs the poller in a background thread instead,
+for embedding and tests. On stop it marks the control segment STOPPING, disconnects every
+client and removes its socket.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from typing import Any
+
+from kalos import _native, index
+from kalos.errors import ConfigError
+from kalos.paths import runtime_dir, socket_path
+from kalos.protocol import codes
+from kalos.protocol import layout as L
+from kalos.server.channels import Poller
+from kalos.server.config import SidecarConfig
+from kalos.server.dispatch import Dispatcher
+from kalos.server.listener import Listener
+from kalos.stores.memories import MemoryStore
+from kalos.transport.memory import SharedMemory, create
+
+log = logging.getLogger("kalos.server")
+
+
+def prepare_runtime_dir(path: str) -> None:
+    """Creates the socket directory private to this user, or checks an existing one."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.stat(path)
+    if st.st_uid != os.getuid():
+        raise ConfigError(f"{path} belongs to uid {st.st_uid}, not to this user")
+    if st.st_mode & 0o002:
+        raise ConfigError(f"{path} is world-writable; use a private directory")
+
+
+def claim_socket(path: str) -> None:
+    """Removes a stale socket; ConfigError if a live sidecar already answers there."""
+    if not os.path.exists(path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except OSError:
+        os.unlink(path)  # nobody listens: left by a sidecar that was killed
+        return
+    finally:
+        probe.close()
+    raise ConfigError(f"a sidecar is already serving at {path}")
+
+
+class Sidecar:
+    def __init__(self, config: SidecarConfig) -> None:
+        self.config = config
+        self.epoch = secrets.randbits(63) or 1
+        self.path = socket_path(config.name, config.runtime_dir)
+        self.memories = MemoryStore(
+            index.create(config.index_spec, dim=config.dim, metric=config.metric)
+        )
+        self.lock = threading.Lock()  # serialises dispatch between the poller and uds threads
+        self.dispatcher = Dispatcher(
+            self.memories, name=config.name, device=config.device, extra_stats=self._stats
+        )
+        self._control_fd = create("kalos-control", L.CONTROL_SIZE)
+        self.control = SharedMemory(self._control_fd, L.CONTROL_SIZE)
+        L.CTRL_HEADER.pack_into(
+            self.control.buf, 0, L.CONTROL_MAGIC, L.LAYOUT_VERSION, *codes.PROTOCOL_VERSION,
+            self.epoch, os.getpid(), L.STATE_STARTING, config.dim,
+            codes.METRICS.index(config.metric), codes.MAX_K, 0, time.monotonic_ns(),
+        )  # fmt: skip
+        self.poller = Poller(
+            self.control, self.dispatcher.handle, self.lock,
+            spin_us=config.spin_us, heartbeat_ms=config.heartbeat_ms,
+        )  # fmt: skip
+        self.listener: Listener | None = None
+        self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()
+
+    def _stats(self) -> dict[str, Any]:
+        listener = self.listener
+        return {
+            "epoch": self.epoch,
+            "channels": len(self.poller.channels),
+            "uds_connections": listener.uds_connections if listener else 0,
+            "connects": listener.connects if listener else 0,
+            "refused": listener.refused if listener else 0,
+        }
+
+    def _open(self) -> None:
+        prepare_runtime_dir(runtime_dir(self.config.runtime_dir))
+        claim_socket(self.path)
+        self.listener = Listener(
+            self.config, self.path, self._control_fd, self.epoch, self.poller,
+            self.dispatcher.handle, self.lock, self.dispatcher.info,
+        )  # fmt: skip
+        self.listener.start()
+        _native.store_release(self.control.addr + L.CTRL_STATE, L.STATE_READY)
+        log.info("kalos sidecar %r ready at %s (%s, dim %d, %s)", self.config.name, self.path,
+                 self.memories.index.spec, self.config.dim, self.config.metric)  # fmt: skip
+
+    def serve(self) -> None:
+        """Serves in this thread until :meth:`stop`; then cleans up."""
+        self._open()
+        try:
+            self.poller.run()
+        finally:
+            self._close()
+
+    def start(self) -> Sidecar:
+        """Serves from a background thread; returns once the socket accepts clients."""
+        self._open()
+
+        def run() -> None:
+            try:
+                self.poller.run()
+            finally:
+                self._close()
+
+        self._thread = threading.Thread(target=run, name="kalos-poller", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Asks the poller to finish; safe from a signal handler or another thread."""
+        self.poller.stop()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._stopped.wait(timeout=5)
+
+    def _close(self) -> None:
+        _native.store_release(self.control.addr + L.CTRL_STATE, L.STATE_STOPPING)
+        if self.listener is not None:
+            self.listener.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        self._stopped.set()
+        log.info("kalos sidecar %r stopped", self.config.name)
+
+    def __enter__(self) -> Sidecar:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,79 @@
+"""Conformance and isolation kits for tests and benchmarks.
+
+``isolated_sidecar(...)`` starts a real sidecar process (``python -m kalos serve``) with its
+own private socket directory, waits until it accepts clients, and stops it (SIGTERM, then
+SIGKILL) on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from kalos.errors import ConnectError
+from kalos.paths import socket_path
+
+
+@dataclass
+class RunningSidecar:
+    name: str
+    runtime_dir: str
+    process: subprocess.Popen
+
+    @property
+    def socket(self) -> str:
+        return socket_path(self.name, self.runtime_dir)
+
+    def connect(self, **kwargs):  # -> kalos.Client
+        from kalos.client import connect
+
+        return connect(self.name, runtime_dir=self.runtime_dir, **kwargs)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
+        """Signals the sidecar and waits for it; returns its exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        return self.process.wait(timeout)
+
+
+def wait_for_socket(path: str, process: subprocess.Popen, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if process.poll() is not None:
+            raise ConnectError(f"the sidecar exited with code {process.returncode} at start")
+        if time.monotonic() > deadline:
+            raise ConnectError(f"the sidecar did not open {path} within {timeout} s")
+        time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def isolated_sidecar(
+    *, dim: int, metric: str = "ip", name: str = "test", extra_args: tuple[str, ...] = (),
+    runtime_dir: str | None = None, stderr=None,
+) -> Iterator[RunningSidecar]:  # fmt: skip
+    """A sidecar in its own process and socket directory, stopped on exit."""
+    with contextlib.ExitStack() as stack:
+        if runtime_dir is None:
+            runtime_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="kalos-"))
+        cmd = [sys.executable, "-m", "kalos", "serve", "--name", name, "--dim", str(dim),
+               "--metric", metric, "--runtime-dir", runtime_dir, *extra_args]  # fmt: skip
+        proc = subprocess.Popen(cmd, stderr=stderr)
+        sidecar = RunningSidecar(name, runtime_dir, proc)
+        try:
+            wait_for_socket(sidecar.socket, proc)
+            yield sidecar
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()

@@ -1,0 +1,46 @@
+"""Transports: how a request reaches the sidecar. The client only ever sees :class:`Transport`.
+
+``open_transport`` is the one place that picks a concrete transport by an explicit name.
+"""
+
+from __future__ import annotations
+
+from kalos.errors import ConfigError
+from kalos.paths import socket_path
+from kalos.transport.base import Response, Transport
+
+TRANSPORTS = ("shm", "uds")
+
+
+def open_transport(
+    kind: str,
+    name: str,
+    *,
+    runtime_dir: str | None,
+    arena_bytes: int,
+    timeout: float,
+    spin_us: float,
+) -> Transport:
+    """Handshakes with the sidecar ``name`` and returns a new channel of ``kind``.
+
+    Raises ConnectError (no sidecar, refused), ProtocolMismatch, ConfigError (unknown kind).
+    """
+    from kalos.transport.handshake import client_hello
+
+    if kind not in TRANSPORTS:
+        raise ConfigError(f"unknown transport {kind!r}; choose one of {', '.join(TRANSPORTS)}")
+    sock, info, fds = client_hello(socket_path(name, runtime_dir), kind, arena_bytes, timeout)
+    if kind == "shm":
+        from kalos.transport.shm import ShmTransport
+
+        return ShmTransport(sock, info, fds, spin_us=spin_us)
+    from kalos.transport.uds import UdsTransport
+
+    for fd in fds:
+        import os
+
+        os.close(fd)
+    return UdsTransport(sock, info)
+
+
+__all__ = ["TRANSPORTS", "Response", "Transport", "open_transport"]

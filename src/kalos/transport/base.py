@@ -1,0 +1,55 @@
+"""The one boundary between the client and the bytes: :class:`Transport`.
+
+A transport moves one request body and its response. The client encodes the body straight
+into :attr:`Transport.request_buffer` (in the shm transport, that is the channel's request
+arena: no copy), then calls :meth:`Transport.request`. The response body it returns is a view
+that stays valid until the next request on the same transport.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import numpy as np
+
+
+class Response:
+    """One response: status, body view and the sidecar's per-stage timings (ns)."""
+
+    __slots__ = ("body", "compute_ns", "queue_ns", "status", "write_ns")
+
+    def __init__(
+        self, status: int, body: np.ndarray, queue_ns: int, compute_ns: int, write_ns: int
+    ) -> None:
+        self.status = status
+        self.body = body  # uint8 view of body_len bytes; valid until the next request
+        self.queue_ns = queue_ns  # client publish → sidecar picked it up
+        self.compute_ns = compute_ns  # sidecar dispatch (validation + store/index work)
+        self.write_ns = write_ns  # sidecar encoding the response
+
+
+class Transport(abc.ABC):
+    """One channel to a sidecar, used by one thread at a time."""
+
+    kind: str  # "shm", "uds", "inproc"
+    request_buffer: np.ndarray  # writable uint8; the next request's body goes here
+    server_info: dict[str, Any]  # what the handshake told: dim, metric, max_k, epoch, ...
+
+    @abc.abstractmethod
+    def request(self, op: int, flags: int, body_len: int, *, timeout: float) -> Response:
+        """Sends the body in ``request_buffer[:body_len]`` and waits for the response.
+
+        ``timeout`` is in seconds. Raises ClosedError, RequestTimeout, SidecarGone. After a
+        timeout or a lost sidecar the transport is broken (``broken`` is True): the caller
+        opens a new one.
+        """
+
+    @property
+    @abc.abstractmethod
+    def broken(self) -> bool:
+        """True once this transport can no longer carry requests."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Releases the channel. Idempotent."""
