@@ -50,6 +50,12 @@ def _bench(args: argparse.Namespace) -> int:
     return run_scenario(args)
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from kalos.demo import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kalos.bench import add_bench_parsers
 
@@ -76,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--runtime-dir", default=None)
     status.add_argument("--timeout", type=float, default=2.0)
     status.set_defaults(func=_status)
+
+    demo = sub.add_parser("demo", help="load a synthetic corpus and recall through a sidecar")
+    from kalos.demo import add_arguments
+
+    add_arguments(demo)
+    demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="run a named benchmark scenario")
     add_bench_parsers(bench)
