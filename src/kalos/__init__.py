@@ -13,8 +13,8 @@ Results are views valid until the same thread's next call; ``copy=True`` gives o
 
 __version__ = "0.1.0"
 
-from kalos.client import Client, SearchResult, Timings, connect  # noqa: E402
-from kalos.errors import (  # noqa: E402
+from kalos.client import Client, SearchResult, Timings, connect
+from kalos.errors import (
     ClosedError,
     ConfigError,
     Conflict,
@@ -30,7 +30,7 @@ from kalos.errors import (  # noqa: E402
     StoreError,
     TransportError,
 )
-from kalos.protocol import PROTOCOL_VERSION, Scope  # noqa: E402
+from kalos.protocol import PROTOCOL_VERSION, Scope
 
 __all__ = [
     "PROTOCOL_VERSION",

@@ -22,6 +22,7 @@ def _serve(args: argparse.Namespace) -> int:
         index=args.index,
         runtime_dir=args.runtime_dir,
         spin_us=args.spin_us,
+        compute_threads=args.compute_threads,
         allowed_uids=tuple(args.allow_uid),
         allowed_gid=args.allow_gid,
     )
@@ -70,10 +71,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     serve.add_argument("--index", default=None, help="index spec string, e.g. cpu:flat")
     serve.add_argument("--runtime-dir", default=None, help="socket directory")
-    serve.add_argument("--spin-us", type=float, default=200.0,
-                       help="µs to keep polling after the last request before parking")  # fmt: skip
-    serve.add_argument("--allow-uid", type=int, action="append", default=[],
-                       help="another uid allowed to connect (repeatable)")  # fmt: skip
+    serve.add_argument(
+        "--spin-us",
+        type=float,
+        default=200.0,
+        help="µs to keep polling after the last request before parking",
+    )
+    serve.add_argument(
+        "--compute-threads", type=int, default=1, help="BLAS/OpenMP threads for CPU search"
+    )
+    serve.add_argument(
+        "--allow-uid",
+        type=int,
+        action="append",
+        default=[],
+        help="another uid allowed to connect (repeatable)",
+    )
     serve.add_argument("--allow-gid", type=int, default=None, help="a gid allowed to connect")
     serve.set_defaults(func=_serve)
 

@@ -257,9 +257,7 @@ class Client:
             i = j
         return added
 
-    def remove(
-        self, ids: np.ndarray | Sequence[int] | int, *, timeout: float | None = None
-    ) -> int:
+    def remove(self, ids: np.ndarray | Sequence[int] | int, *, timeout: float | None = None) -> int:
         """Removes items by id; returns how many existed. Unknown ids are ignored."""
         id_arr = np.atleast_1d(np.asarray(ids, dtype=np.int64))
         removed = 0

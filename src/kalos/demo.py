@@ -37,8 +37,11 @@ def corpus(n: int, dim: int, seed: int) -> tuple[np.ndarray, np.ndarray, list[st
     tenant = rng.integers(0, len(TENANTS), n)
     user = rng.integers(0, 20, n)
     topic = rng.integers(0, len(TOPICS), n)
-    texts = [f"memory {i}: user-{u} asked about {TOPICS[t]}" for i, u, t in zip(ids, user, topic)]
-    scopes = [Scope(TENANTS[t], f"user-{u}") for t, u in zip(tenant, user)]
+    texts = [
+        f"memory {i}: user-{u} asked about {TOPICS[t]}"
+        for i, u, t in zip(ids, user, topic, strict=True)
+    ]
+    scopes = [Scope(TENANTS[t], f"user-{u}") for t, u in zip(tenant, user, strict=True)]
     return vectors, ids, texts, scopes
 
 
@@ -55,8 +58,9 @@ def run(args: argparse.Namespace) -> int:
                 scope = Scope(tenant, f"user-{u}")
                 sel = np.array([s == scope for s in scopes])
                 if sel.any():
-                    client.add(vectors[sel], ids[sel], [texts[i] for i in np.flatnonzero(sel)],
-                               scope=scope)  # fmt: skip
+                    client.add(
+                        vectors[sel], ids[sel], [texts[i] for i in np.flatnonzero(sel)], scope=scope
+                    )
         load_s = time.perf_counter() - t0
         reference.add(vectors, ids)
         print(f"loaded in {load_s:.2f} s; sidecar reports {client.stats()['items']:,} items")
@@ -65,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         queries = rng.standard_normal((args.recalls, args.dim), dtype=np.float32)
         hit = client.search(queries[0], k=5, scope=Scope("acme", "user-3"))
         print("\nrecall for tenant acme, user-3, top 5:")
-        for i, score, text in zip(hit.ids, hit.scores, hit.payloads or []):
+        for i, score, text in zip(hit.ids, hit.scores, hit.payloads or [], strict=False):
             print(f"  id {int(i):>6}  score {float(score):+.3f}  {text}")
         print(f"  timings (µs): {hit.timings}")
 
@@ -93,6 +97,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"\ntop-10 recall over {args.memories:,} memories, {args.recalls:,} queries each:")
     print_table(rows)
     print(f"\nrecalls checked against exact search: {wrong} wrong")
-    print("sidecar stopped cleanly" if sidecar.process.returncode == 0 else "sidecar exit: "
-          f"{sidecar.process.returncode}")  # fmt: skip
+    print(
+        "sidecar stopped cleanly"
+        if sidecar.process.returncode == 0
+        else f"sidecar exit: {sidecar.process.returncode}"
+    )
     return 1 if wrong or sidecar.process.returncode != 0 else 0

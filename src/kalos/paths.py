@@ -26,9 +26,7 @@ def runtime_dir(override: str | None = None) -> str:
 
 def check_name(name: str) -> str:
     if not _NAME.match(name):
-        raise ConfigError(
-            f"bad sidecar name {name!r}: use 1-64 letters, digits, '_', '.', '-'"
-        )
+        raise ConfigError(f"bad sidecar name {name!r}: use 1-64 letters, digits, '_', '.', '-'")
     return name
 
 

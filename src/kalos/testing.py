@@ -8,8 +8,8 @@ SIGKILL) on exit.
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -44,8 +44,13 @@ class RunningSidecar:
 
 
 def wait_for_socket(path: str, process: subprocess.Popen, timeout: float = 30.0) -> None:
+    """Waits until the sidecar accepts connections at ``path``.
+
+    The file alone is not enough: it exists between bind and listen, and a stale socket left
+    by a killed sidecar exists before the new one has claimed it.
+    """
     deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
+    while not _accepts(path):
         if process.poll() is not None:
             raise ConnectError(f"the sidecar exited with code {process.returncode} at start")
         if time.monotonic() > deadline:
@@ -53,17 +58,46 @@ def wait_for_socket(path: str, process: subprocess.Popen, timeout: float = 30.0)
         time.sleep(0.01)
 
 
+def _accepts(path: str) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
 @contextlib.contextmanager
 def isolated_sidecar(
-    *, dim: int, metric: str = "ip", name: str = "test", extra_args: tuple[str, ...] = (),
-    runtime_dir: str | None = None, stderr=None,
-) -> Iterator[RunningSidecar]:  # fmt: skip
+    *,
+    dim: int,
+    metric: str = "ip",
+    name: str = "test",
+    extra_args: tuple[str, ...] = (),
+    runtime_dir: str | None = None,
+    stderr=None,
+) -> Iterator[RunningSidecar]:
     """A sidecar in its own process and socket directory, stopped on exit."""
     with contextlib.ExitStack() as stack:
         if runtime_dir is None:
             runtime_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="kalos-"))
-        cmd = [sys.executable, "-m", "kalos", "serve", "--name", name, "--dim", str(dim),
-               "--metric", metric, "--runtime-dir", runtime_dir, *extra_args]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "kalos",
+            "serve",
+            "--name",
+            name,
+            "--dim",
+            str(dim),
+            "--metric",
+            metric,
+            "--runtime-dir",
+            runtime_dir,
+            *extra_args,
+        ]
         proc = subprocess.Popen(cmd, stderr=stderr)
         sidecar = RunningSidecar(name, runtime_dir, proc)
         try:

@@ -10,7 +10,9 @@ def add_bench_parsers(parser: argparse.ArgumentParser) -> None:
     from kalos.bench import search_cpu, transport
 
     for module in (transport, search_cpu):
-        p = sub.add_parser(module.SCENARIO, help=module.__doc__.splitlines()[0] if module.__doc__ else "")
+        p = sub.add_parser(
+            module.SCENARIO, help=module.__doc__.splitlines()[0] if module.__doc__ else ""
+        )
         p.add_argument("--out", default="bench/results", help="directory for the JSON result")
         p.add_argument("--machine", default=None, help="machine name in the result file")
         module.add_arguments(p)

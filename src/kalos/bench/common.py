@@ -17,8 +17,9 @@ import numpy as np
 import kalos
 
 
-def summarize(system: str, samples_ns: np.ndarray, wall_s: float | None = None,
-              **extra: Any) -> dict[str, Any]:  # fmt: skip
+def summarize(
+    system: str, samples_ns: np.ndarray, wall_s: float | None = None, **extra: Any
+) -> dict[str, Any]:
     """p50/p99/p99.9 in µs of ``samples_ns``; qps from the wall time (or the samples' sum)."""
     us = np.asarray(samples_ns, dtype=np.float64) / 1e3
     total = wall_s if wall_s is not None else float(us.sum()) / 1e6
@@ -45,8 +46,7 @@ def machine_name(override: str | None) -> str:
 
 
 def versions() -> dict[str, str]:
-    out = {"kalos": kalos.__version__, "python": platform.python_version(),
-           "numpy": np.__version__}  # fmt: skip
+    out = {"kalos": kalos.__version__, "python": platform.python_version(), "numpy": np.__version__}
     for mod in ("faiss", "torch", "triton", "grpc", "redis"):
         try:
             m = __import__(mod)
@@ -72,13 +72,27 @@ def host_facts() -> dict[str, Any]:
     return facts
 
 
-def write_result(scenario: str, machine: str | None, params: dict[str, Any],
-                 rows: list[dict[str, Any]], out_dir: str, **extra: Any) -> str:  # fmt: skip
+def write_result(
+    scenario: str,
+    machine: str | None,
+    params: dict[str, Any],
+    rows: list[dict[str, Any]],
+    out_dir: str,
+    **extra: Any,
+) -> str:
     """Writes bench/results/<scenario>-<machine>-<date>.json; returns its path."""
     date = datetime.date.today().isoformat()
     name = machine_name(machine)
-    result = {"scenario": scenario, "machine": name, "date": date, "versions": versions(),
-              "host": host_facts(), "params": params, "rows": rows, **extra}  # fmt: skip
+    result = {
+        "scenario": scenario,
+        "machine": name,
+        "date": date,
+        "versions": versions(),
+        "host": host_facts(),
+        "params": params,
+        "rows": rows,
+        **extra,
+    }
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{scenario}-{name}-{date}.json")
     with open(path, "w") as f:
@@ -87,9 +101,11 @@ def write_result(scenario: str, machine: str | None, params: dict[str, Any],
     return path
 
 
-def print_table(rows: list[dict[str, Any]], columns: tuple[str, ...] = (
-        "system", "p50_us", "p99_us", "p999_us", "qps")) -> None:  # fmt: skip
+def print_table(
+    rows: list[dict[str, Any]],
+    columns: tuple[str, ...] = ("system", "p50_us", "p99_us", "p999_us", "qps"),
+) -> None:
     widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns]
-    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=False)))
     for r in rows:
-        print("  ".join(str(r.get(c, "")).ljust(w) for c, w in zip(columns, widths)))
+        print("  ".join(str(r.get(c, "")).ljust(w) for c, w in zip(columns, widths, strict=False)))

@@ -12,6 +12,7 @@ import threading
 import time
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from kalos import index as kindex
 from kalos.bench.common import print_table, summarize, write_result
@@ -49,6 +50,13 @@ def _run_threads(fn, threads: int, per_thread: int) -> tuple[np.ndarray, float]:
 
 
 def run(args: argparse.Namespace) -> int:
+    # The sidecar searches with one BLAS thread (SidecarConfig.compute_threads); so does the
+    # in-process baseline, so both run the same code on the same resources.
+    with threadpool_limits(limits=1):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(args.seed)
     base = rng.standard_normal((args.n, args.dim), dtype=np.float32)
     queries = rng.standard_normal((args.queries, args.dim), dtype=np.float32)
@@ -57,8 +65,9 @@ def run(args: argparse.Namespace) -> int:
     local.add(base, ids)
     rows = []
     mismatches = 0
-    with isolated_sidecar(dim=args.dim, name="bench-search-cpu",
-                          extra_args=("--index", args.index)) as sidecar:  # fmt: skip
+    with isolated_sidecar(
+        dim=args.dim, name="bench-search-cpu", extra_args=("--index", args.index)
+    ) as sidecar:
         loader = sidecar.connect(arena_bytes=16 << 20)
         loader.add(base, ids)
         for _ in range(50):  # warm-up both paths
@@ -95,20 +104,32 @@ def run(args: argparse.Namespace) -> int:
                     s, w = _run_threads(fn, conc, per // 2)
                     parts[system].append(s)
                     walls[system] += w
-            k_row = summarize("kalos-shm", np.concatenate(parts["kalos"]), walls["kalos"],
-                              concurrency=conc)  # fmt: skip
-            i_row = summarize(f"inprocess-{args.index}", np.concatenate(parts["inprocess"]),
-                              walls["inprocess"], concurrency=conc)  # fmt: skip
+            k_row = summarize(
+                "kalos-shm", np.concatenate(parts["kalos"]), walls["kalos"], concurrency=conc
+            )
+            i_row = summarize(
+                f"inprocess-{args.index}",
+                np.concatenate(parts["inprocess"]),
+                walls["inprocess"],
+                concurrency=conc,
+            )
             k_row["over_inprocess_p50"] = round(k_row["p50_us"] / i_row["p50_us"], 3)
             rows += [k_row, i_row]
             for c in clients:
                 c.close()
-    print_table(rows, ("system", "concurrency", "p50_us", "p99_us", "p999_us", "qps",
-                       "over_inprocess_p50"))  # fmt: skip
+    print_table(
+        rows, ("system", "concurrency", "p50_us", "p99_us", "p999_us", "qps", "over_inprocess_p50")
+    )
     print(f"result mismatches against in-process: {mismatches} of 200")
-    params = {"n": args.n, "dim": args.dim, "dtype": "float32", "k": args.k,
-              "index": args.index, "queries": args.queries}  # fmt: skip
-    path = write_result(SCENARIO, args.machine, params, rows, args.out,
-                        mismatches=mismatches)  # fmt: skip
+    params = {
+        "n": args.n,
+        "dim": args.dim,
+        "dtype": "float32",
+        "k": args.k,
+        "index": args.index,
+        "queries": args.queries,
+        "compute_threads": 1,
+    }
+    path = write_result(SCENARIO, args.machine, params, rows, args.out, mismatches=mismatches)
     print(f"wrote {path}")
     return 1 if mismatches else 0

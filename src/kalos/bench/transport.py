@@ -59,8 +59,12 @@ def run(args: argparse.Namespace) -> int:
     rows[0]["uds_over_shm_p50"] = round(ratio, 2)
     print_table(rows)
     print(f"uds / shm at p50: {ratio:.1f}x")
-    path = write_result(SCENARIO, args.machine,
-                        {"requests": args.requests, "block": args.block, "body_bytes": 0},
-                        rows, args.out)  # fmt: skip
+    path = write_result(
+        SCENARIO,
+        args.machine,
+        {"requests": args.requests, "block": args.block, "body_bytes": 0},
+        rows,
+        args.out,
+    )
     print(f"wrote {path}")
     return 0

@@ -34,7 +34,10 @@ _HEAD2 = struct.Struct("<II")
 _U64 = struct.Struct("<Q")
 _U64X2 = struct.Struct("<QQ")
 
-_DTYPES = {codes.DTYPE_F32: np.dtype(np.float32), codes.DTYPE_F16: np.dtype(np.float16)}
+_DTYPES: dict[int, np.dtype] = {
+    codes.DTYPE_F32: np.dtype(np.float32),
+    codes.DTYPE_F16: np.dtype(np.float16),
+}
 
 
 def _pad8(n: int) -> int:

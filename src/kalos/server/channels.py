@@ -36,9 +36,16 @@ class ServerChannel:
         req_off = L.CHANNEL_HEADER_SIZE
         resp_off = req_off + arena_bytes
         L.CHAN_HEADER.pack_into(
-            self.mem.buf, 0, L.CHANNEL_MAGIC, L.LAYOUT_VERSION, channel_id, epoch,
-            arena_bytes, req_off, resp_off,
-        )  # fmt: skip
+            self.mem.buf,
+            0,
+            L.CHANNEL_MAGIC,
+            L.LAYOUT_VERSION,
+            channel_id,
+            epoch,
+            arena_bytes,
+            req_off,
+            resp_off,
+        )
         self.buf = self.mem.buf
         self.req_arena = self.buf[req_off : req_off + arena_bytes]
         self.resp_arena = self.buf[resp_off : resp_off + arena_bytes]
@@ -54,8 +61,15 @@ class ServerChannel:
 class Poller:
     """Serves every shm channel from one thread (see the module docstring)."""
 
-    def __init__(self, control: SharedMemory, handle, lock: threading.Lock, *, spin_us: float,
-                 heartbeat_ms: float) -> None:  # fmt: skip
+    def __init__(
+        self,
+        control: SharedMemory,
+        handle,
+        lock: threading.Lock,
+        *,
+        spin_us: float,
+        heartbeat_ms: float,
+    ) -> None:
         self._ctrl = control
         self._handle = handle  # Dispatcher.handle
         self._lock = lock

@@ -24,6 +24,11 @@ class SidecarConfig:
     # Spin this long after the last request before parking: while requests flow the poller
     # answers in ~1 µs; a futex wake costs ~25 µs on a 2-vCPU VM (DESIGN.md).
     spin_us: float = 200.0
+    # BLAS/OpenMP threads for CPU search. One: dispatch is serial, a matrix-vector product is
+    # memory-bound, and a pool of spinning BLAS threads fights the poller and the clients for
+    # cores (measured on the 2-core machine: 100K x 128 search p50 12.4 ms with OpenBLAS's 2
+    # threads under load vs 3.3 ms with 1).
+    compute_threads: int = 1
     heartbeat_ms: float = 100.0  # parked sidecars still beat this often (≈0.1% of a core)
     allowed_uids: tuple[int, ...] = ()  # besides the sidecar's own uid
     allowed_gid: int | None = None
@@ -36,6 +41,8 @@ class SidecarConfig:
             raise ConfigError(f"metric must be one of {', '.join(codes.METRICS)}")
         if not self.device.startswith(("cpu", "cuda")):
             raise ConfigError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if self.compute_threads < 1:
+            raise ConfigError("compute_threads must be at least 1")
         if not L.MIN_ARENA_BYTES <= self.max_arena_bytes <= L.MAX_ARENA_BYTES:
             raise ConfigError("max_arena_bytes out of range")
 

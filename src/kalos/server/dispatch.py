@@ -67,7 +67,7 @@ class Dispatcher:
         self.device = device
         self.metric = memories.index.metric
         self.started = time.time()
-        self.requests = dict.fromkeys(Op, 0)
+        self.requests = [0] * (max(Op) + 1)  # by op code
         self.errors = 0
         self._extra_stats = extra_stats
         self._ops: dict[int, Callable[[int, np.ndarray, np.ndarray], tuple[int, int]]] = {
@@ -101,7 +101,7 @@ class Dispatcher:
                 self.errors += 1
                 n = M.encode_text(out, f"unknown op {op}")
                 return Status.UNKNOWN_OP, n, _monotonic_ns() - t0, 0
-            self.requests[Op(op)] += 1
+            self.requests[op] += 1
             n, write_ns = fn(flags, body, out)
             return Status.OK, n, _monotonic_ns() - t0 - write_ns, write_ns
         except KalosError as exc:
@@ -125,7 +125,7 @@ class Dispatcher:
         stats.update(
             pid=os.getpid(),
             uptime_s=round(time.time() - self.started, 3),
-            requests={op.name.lower(): n for op, n in self.requests.items()},
+            requests={op.name.lower(): self.requests[op] for op in Op},
             errors=self.errors,
         )
         if self._extra_stats is not None:
@@ -150,8 +150,6 @@ class Dispatcher:
         req = M.decode_search(body, len(body))
         scores, ids = self.memories.search(req.queries, req.k, req.scope)
         t = _monotonic_ns()
-        payloads = (
-            self.memories.payloads(ids) if flags & codes.SEARCH_WANT_PAYLOADS else None
-        )
+        payloads = self.memories.payloads(ids) if flags & codes.SEARCH_WANT_PAYLOADS else None
         n = M.encode_search_response(out, scores, ids, payloads)
         return n, _monotonic_ns() - t

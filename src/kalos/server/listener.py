@@ -7,6 +7,7 @@ waits for the connection to close, which frees the channel) or serves uds frames
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -65,26 +66,23 @@ class Listener:
         if config.allowed_gid is not None:
             os.chown(path, -1, config.allowed_gid)
         self._sock.listen(128)
-        self._thread = threading.Thread(target=self._accept_loop, name="kalos-listener",
-                                        daemon=True)  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._accept_loop, name="kalos-listener", daemon=True
+        )
 
     def start(self) -> None:
         self._thread.start()
 
     def close(self) -> None:
         """Stops accepting and disconnects every client (they see EOF: SidecarGone)."""
-        try:
+        with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self._sock.close()
         with self._conns_lock:
             conns = list(self._conns)
         for conn in conns:
-            try:
+            with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
         self._thread.join(timeout=2)
 
     def _accept_loop(self) -> None:
@@ -93,8 +91,9 @@ class Listener:
                 conn, _ = self._sock.accept()
             except OSError:
                 return  # closed
-            threading.Thread(target=self._serve_connection, args=(conn,),
-                             name="kalos-conn", daemon=True).start()  # fmt: skip
+            threading.Thread(
+                target=self._serve_connection, args=(conn,), name="kalos-conn", daemon=True
+            ).start()
 
     def _serve_connection(self, conn: socket.socket) -> None:
         with self._conns_lock:
@@ -117,8 +116,10 @@ class Listener:
         if not self.config.peer_allowed(uid, gid):
             self.refused += 1
             log.warning("refused a client: pid %d uid %d gid %d", pid, uid, gid)
-            send_message(conn, {"ok": False, "error": "refused",
-                                "message": f"uid {uid} may not use this sidecar"})  # fmt: skip
+            send_message(
+                conn,
+                {"ok": False, "error": "refused", "message": f"uid {uid} may not use this sidecar"},
+            )
             return
         conn.settimeout(HANDSHAKE_TIMEOUT_S)
         hello, fds = recv_message(conn)
@@ -157,10 +158,19 @@ class Listener:
         if hello.get("magic") != "KALO" or not isinstance(theirs, list) or len(theirs) != 2:
             return {"ok": False, "error": "bad_hello", "message": "not a Kalos handshake"}
         if theirs[0] != major:
-            return {"ok": False, "error": "protocol_mismatch", "protocol": [major, minor],
-                    "message": f"sidecar speaks {major}.{minor}, client {theirs[0]}.{theirs[1]}"}  # fmt: skip
+            message = f"sidecar speaks {major}.{minor}, client {theirs[0]}.{theirs[1]}"
+            return {
+                "ok": False,
+                "error": "protocol_mismatch",
+                "protocol": [major, minor],
+                "message": message,
+            }
         if hello.get("transport") not in ("shm", "uds"):
-            return {"ok": False, "error": "bad_transport", "message": "transport must be shm or uds"}
+            return {
+                "ok": False,
+                "error": "bad_transport",
+                "message": "transport must be shm or uds",
+            }
         if len(self._poller.channels) >= self.config.max_channels:
             return {"ok": False, "error": "busy", "message": "too many channels"}
         try:
@@ -170,25 +180,29 @@ class Listener:
         arena = max(L.MIN_ARENA_BYTES, min(arena, self.config.max_arena_bytes))
         arena = (arena + L.PAGE - 1) // L.PAGE * L.PAGE
         return dict(
-            self._info(), ok=True, protocol=[major, min(minor, int(theirs[1]))],
-            epoch=self._epoch, arena_bytes=arena, server_pid=os.getpid(),
-        )  # fmt: skip
+            self._info(),
+            ok=True,
+            protocol=[major, min(minor, int(theirs[1]))],
+            epoch=self._epoch,
+            arena_bytes=arena,
+            server_pid=os.getpid(),
+        )
 
     def _serve_uds(self, conn: socket.socket, arena: int) -> None:
         """Serves request frames on ``conn`` until it closes."""
         head = np.zeros(L.REQ_FRAME.size, np.uint8)
-        head_view = memoryview(head)  # type: ignore[arg-type]
+        head_view = memoryview(head)
         body = np.zeros(arena, np.uint8)
-        body_view = memoryview(body)  # type: ignore[arg-type]
+        body_view = memoryview(body)
         out = np.zeros(L.RESP_FRAME.size + arena, np.uint8)
-        out_view = memoryview(out)  # type: ignore[arg-type]
+        out_view = memoryview(out)
         resp = out[L.RESP_FRAME.size :]
         while True:
             try:
                 recv_exactly(conn, head_view)
             except ConnectionError:
                 return
-            seq, op, flags, body_len, publish_ns, deadline_ns = L.REQ_FRAME.unpack_from(head, 0)
+            seq, op, flags, body_len, publish_ns, _deadline_ns = L.REQ_FRAME.unpack_from(head, 0)
             picked = time.monotonic_ns()
             if body_len > arena:
                 # The stream cannot be resynchronised past a frame we will not read.

@@ -8,6 +8,7 @@ client and removes its socket.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -15,6 +16,8 @@ import socket
 import threading
 import time
 from typing import Any
+
+from threadpoolctl import threadpool_limits
 
 from kalos import _native, index
 from kalos.errors import ConfigError
@@ -61,6 +64,7 @@ class Sidecar:
     def __init__(self, config: SidecarConfig) -> None:
         self.config = config
         self.epoch = secrets.randbits(63) or 1
+        self._threadpools = threadpool_limits(limits=config.compute_threads)
         self.path = socket_path(config.name, config.runtime_dir)
         self.memories = MemoryStore(
             index.create(config.index_spec, dim=config.dim, metric=config.metric)
@@ -72,14 +76,27 @@ class Sidecar:
         self._control_fd = create("kalos-control", L.CONTROL_SIZE)
         self.control = SharedMemory(self._control_fd, L.CONTROL_SIZE)
         L.CTRL_HEADER.pack_into(
-            self.control.buf, 0, L.CONTROL_MAGIC, L.LAYOUT_VERSION, *codes.PROTOCOL_VERSION,
-            self.epoch, os.getpid(), L.STATE_STARTING, config.dim,
-            codes.METRICS.index(config.metric), codes.MAX_K, 0, time.monotonic_ns(),
-        )  # fmt: skip
+            self.control.buf,
+            0,
+            L.CONTROL_MAGIC,
+            L.LAYOUT_VERSION,
+            *codes.PROTOCOL_VERSION,
+            self.epoch,
+            os.getpid(),
+            L.STATE_STARTING,
+            config.dim,
+            codes.METRICS.index(config.metric),
+            codes.MAX_K,
+            0,
+            time.monotonic_ns(),
+        )
         self.poller = Poller(
-            self.control, self.dispatcher.handle, self.lock,
-            spin_us=config.spin_us, heartbeat_ms=config.heartbeat_ms,
-        )  # fmt: skip
+            self.control,
+            self.dispatcher.handle,
+            self.lock,
+            spin_us=config.spin_us,
+            heartbeat_ms=config.heartbeat_ms,
+        )
         self.listener: Listener | None = None
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
@@ -98,13 +115,25 @@ class Sidecar:
         prepare_runtime_dir(runtime_dir(self.config.runtime_dir))
         claim_socket(self.path)
         self.listener = Listener(
-            self.config, self.path, self._control_fd, self.epoch, self.poller,
-            self.dispatcher.handle, self.lock, self.dispatcher.info,
-        )  # fmt: skip
+            self.config,
+            self.path,
+            self._control_fd,
+            self.epoch,
+            self.poller,
+            self.dispatcher.handle,
+            self.lock,
+            self.dispatcher.info,
+        )
         self.listener.start()
         _native.store_release(self.control.addr + L.CTRL_STATE, L.STATE_READY)
-        log.info("kalos sidecar %r ready at %s (%s, dim %d, %s)", self.config.name, self.path,
-                 self.memories.index.spec, self.config.dim, self.config.metric)  # fmt: skip
+        log.info(
+            "kalos sidecar %r ready at %s (%s, dim %d, %s)",
+            self.config.name,
+            self.path,
+            self.memories.index.spec,
+            self.config.dim,
+            self.config.metric,
+        )
 
     def serve(self) -> None:
         """Serves in this thread until :meth:`stop`; then cleans up."""
@@ -138,10 +167,8 @@ class Sidecar:
         _native.store_release(self.control.addr + L.CTRL_STATE, L.STATE_STOPPING)
         if self.listener is not None:
             self.listener.close()
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
         self._stopped.set()
         log.info("kalos sidecar %r stopped", self.config.name)
 

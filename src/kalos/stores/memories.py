@@ -88,7 +88,7 @@ class MemoryStore:
         payloads = self._payloads
         bounds = offsets.tolist()
         data = blob.tobytes() if bounds[-1] else b""
-        for i, (item, kind) in enumerate(zip(ids.tolist(), kinds.tolist())):
+        for i, (item, kind) in enumerate(zip(ids.tolist(), kinds.tolist(), strict=False)):
             old = payloads.pop(item, None)
             if old is not None:
                 self._payload_bytes -= len(old[1])

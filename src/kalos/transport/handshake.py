@@ -8,6 +8,7 @@ docs/PROTOCOL.md lists the fields.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import struct
@@ -21,7 +22,9 @@ MAX_MESSAGE = 64 << 10
 MAX_FDS = 4
 
 
-def send_message(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
+def send_message(
+    sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None
+) -> None:
     data = json.dumps(message, separators=(",", ":")).encode()
     frame = _LEN.pack(len(data)) + data
     if fds:
@@ -57,10 +60,8 @@ def recv_message(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
 def _close_fd(fd: int) -> None:
     import os
 
-    try:
+    with contextlib.suppress(OSError):
         os.close(fd)
-    except OSError:
-        pass
 
 
 def client_hello(

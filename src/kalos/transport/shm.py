@@ -50,7 +50,7 @@ class ShmTransport(Transport):
         self.server_info = info
         arena = int(info["arena_bytes"])
         buf = self._chan.buf
-        magic, version, _cid, epoch, arena_bytes, req_off, resp_off = L.CHAN_HEADER.unpack_from(
+        magic, version, _cid, _epoch, arena_bytes, req_off, resp_off = L.CHAN_HEADER.unpack_from(
             buf, 0
         )
         if magic != L.CHANNEL_MAGIC or version != L.LAYOUT_VERSION or arena_bytes != arena:

@@ -39,12 +39,12 @@ class UdsTransport(Transport):
         self.server_info = info
         self._sock = sock
         self._out = np.zeros(L.REQ_FRAME.size + arena, np.uint8)
-        self._out_view = memoryview(self._out)  # type: ignore[arg-type]
+        self._out_view = memoryview(self._out)
         self.request_buffer = self._out[L.REQ_FRAME.size :]
         self._head = np.zeros(L.RESP_FRAME.size, np.uint8)
-        self._head_view = memoryview(self._head)  # type: ignore[arg-type]
+        self._head_view = memoryview(self._head)
         self._resp = np.zeros(arena, np.uint8)
-        self._resp_view = memoryview(self._resp)  # type: ignore[arg-type]
+        self._resp_view = memoryview(self._resp)
         self._seq = 0
         self._broken = False
         self._closed = False
@@ -75,7 +75,7 @@ class UdsTransport(Transport):
                 raise ConnectionError("malformed response frame")
             if n:
                 recv_exactly(sock, self._resp_view[:n])
-        except socket.timeout as exc:
+        except TimeoutError as exc:
             self._broken = True
             raise RequestTimeout("no response from the sidecar within the deadline") from exc
         except OSError as exc:  # ConnectionError included
