@@ -215,18 +215,20 @@ class SearchResponse(NamedTuple):
 
 
 def decode_search_response(buf: np.ndarray, end: int) -> SearchResponse:
+    _need(16, end)
     nq, k, has_payloads, _ = _HEAD4.unpack_from(buf, 0)
     m = nq * k
-    scores = buf[16 : 16 + m * 4].view(np.float32).reshape(nq, k)
+    scores = _array(buf, 16, np.dtype(np.float32), m, end).reshape(nq, k)
     off = 16 + _pad8(m * 4)
-    ids = buf[off : off + m * 8].view(np.int64).reshape(nq, k)
+    ids = _array(buf, off, np.dtype(np.int64), m, end).reshape(nq, k)
     if not has_payloads:
         return SearchResponse(scores, ids, None)
     off += m * 8
-    kinds = buf[off : off + m]
+    kinds = _array(buf, off, np.dtype(np.uint8), m, end)
     off += _pad8(m)
-    offsets = buf[off : off + (m + 1) * 8].view(np.uint64)
+    offsets = _array(buf, off, np.dtype(np.uint64), m + 1, end)
     start = off + (m + 1) * 8
+    _need(start + int(offsets[-1]), end)
     blob = buf[start:end].tobytes()
     return SearchResponse(scores, ids, _decode_payloads(kinds, offsets, blob))
 
@@ -236,14 +238,17 @@ def _decode_payloads(
 ) -> list[str | bytes | None]:
     out: list[str | bytes | None] = []
     bounds = offsets.tolist()
-    for i, kind in enumerate(kinds.tolist()):
-        data = blob[bounds[i] : bounds[i + 1]]
-        if kind == codes.PAYLOAD_TEXT:
-            out.append(data.decode())
-        elif kind == codes.PAYLOAD_BYTES:
-            out.append(data)
-        else:
-            out.append(None)
+    try:
+        for i, kind in enumerate(kinds.tolist()):
+            data = blob[bounds[i] : bounds[i + 1]]
+            if kind == codes.PAYLOAD_TEXT:
+                out.append(data.decode())
+            elif kind == codes.PAYLOAD_BYTES:
+                out.append(data)
+            else:
+                out.append(None)
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest("a text payload is not valid UTF-8") from exc
     return out
 
 
@@ -323,7 +328,22 @@ def decode_add(buf: np.ndarray, end: int) -> AddRequest:
         raise InvalidRequest("payload offsets point outside the request")
     if bool((kinds > codes.PAYLOAD_BYTES).any()):
         raise InvalidRequest("unknown payload kind")
+    _check_text(kinds, offsets, blob)
     return AddRequest(ids, vectors, kinds, offsets, blob, scope)
+
+
+def _check_text(kinds: np.ndarray, offsets: np.ndarray, blob: np.ndarray) -> None:
+    """InvalidRequest unless every text payload is UTF-8: every later search must decode it."""
+    text = np.flatnonzero(kinds == codes.PAYLOAD_TEXT).tolist()
+    if not text:
+        return
+    bounds = offsets.tolist()
+    data = blob[: bounds[-1]].tobytes()
+    for i in text:
+        try:
+            data[bounds[i] : bounds[i + 1]].decode()
+        except UnicodeDecodeError as exc:
+            raise InvalidRequest(f"text payload {i} is not valid UTF-8") from exc
 
 
 def encode_counts(buf: np.ndarray, a: int, b: int = 0) -> int:
@@ -332,6 +352,7 @@ def encode_counts(buf: np.ndarray, a: int, b: int = 0) -> int:
 
 
 def decode_counts(buf: np.ndarray, end: int) -> tuple[int, int]:
+    _need(16, end)
     a, b = _U64X2.unpack_from(buf, 0)
     return int(a), int(b)
 
