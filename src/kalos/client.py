@@ -233,6 +233,8 @@ class Client:
         if id_arr.shape != (n,):
             raise InvalidRequest(f"{len(id_arr)} ids for {n} vectors")
         kinds, blobs = _encode_payloads(payloads, n)
+        if n == 0:
+            return 0
         sb = scope_bytes(scope)
         t = self._channel()
         capacity = len(t.request_buffer)
