@@ -13,7 +13,10 @@ is not timed.
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -57,6 +60,28 @@ def make_inproc_client(
     """A client over the in-process transport and a fresh ``cpu:flat`` store."""
     connector = make_inproc_connector(dim, metric, arena_bytes=arena_bytes)
     return kalos.Client("inproc", connector=connector, timeout=timeout)
+
+
+def stop_process(pid: int, timeout: float = TIMEOUT) -> None:
+    """SIGSTOPs ``pid`` and waits until every one of its threads has stopped.
+
+    kill() returns before the stop takes effect: a thread already running (or woken by a
+    request in flight) can still answer for a moment, which would make a timeout test racy.
+    """
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while not all(_task_state(pid, tid) in ("T", "t") for tid in os.listdir(f"/proc/{pid}/task")):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process {pid} did not stop")
+        time.sleep(0.005)
+
+
+def _task_state(pid: int, tid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:  # the thread has exited
+        return "T"
 
 
 @pytest.fixture

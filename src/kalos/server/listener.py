@@ -202,7 +202,7 @@ class Listener:
                 recv_exactly(conn, head_view)
             except ConnectionError:
                 return
-            seq, op, flags, body_len, publish_ns, _deadline_ns = L.REQ_FRAME.unpack_from(head, 0)
+            seq, op, flags, body_len, publish_ns, deadline_ns = L.REQ_FRAME.unpack_from(head, 0)
             picked = time.monotonic_ns()
             if body_len > arena:
                 # The stream cannot be resynchronised past a frame we will not read.
@@ -212,7 +212,12 @@ class Listener:
                 return
             recv_exactly(conn, body_view[:body_len])
             queue_ns = picked - publish_ns if 0 < publish_ns <= picked else 0
-            with self._lock:
-                status, n, compute_ns, write_ns = self._handle(op, flags, body[:body_len], resp)
+            if deadline_ns and picked > deadline_ns:  # as the shm poller does
+                status: int = Status.TIMEOUT
+                n = encode_text(resp, "the request's deadline passed before it was served")
+                compute_ns = write_ns = 0
+            else:
+                with self._lock:
+                    status, n, compute_ns, write_ns = self._handle(op, flags, body[:body_len], resp)
             L.RESP_FRAME.pack_into(out, 0, seq, status, 0, n, queue_ns, compute_ns, write_ns)
             conn.sendall(out_view[: L.RESP_FRAME.size + n])

@@ -15,6 +15,8 @@ import numpy as np
 
 from kalos.errors import ClosedError, RequestTimeout, SidecarGone
 from kalos.protocol import layout as L
+from kalos.protocol.codes import Status
+from kalos.protocol.messages import encode_text
 from kalos.transport.base import Response, Transport
 
 _monotonic_ns = time.monotonic_ns
@@ -58,6 +60,11 @@ class UdsTransport(Transport):
             raise ClosedError("this channel is closed")
         if self._broken:
             raise SidecarGone("this channel lost its sidecar")
+        if body_len > len(self.request_buffer):
+            # The sidecar would answer PAYLOAD_TOO_LARGE and close the stream, which it cannot
+            # resynchronise past a body it does not read: answer as it would, keep the stream.
+            n = encode_text(self._resp, f"request body of {body_len} bytes exceeds the arena")
+            return Response(Status.PAYLOAD_TOO_LARGE, self._resp[:n], 0, 0, 0)
         self._seq += 1
         now = _monotonic_ns()
         L.REQ_FRAME.pack_into(
