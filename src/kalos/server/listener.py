@@ -155,7 +155,12 @@ class Listener:
     def _negotiate(self, hello: dict[str, Any]) -> dict[str, Any]:
         major, minor = PROTOCOL_VERSION
         theirs = hello.get("protocol")
-        if hello.get("magic") != "KALO" or not isinstance(theirs, list) or len(theirs) != 2:
+        if (
+            hello.get("magic") != "KALO"
+            or not isinstance(theirs, list)
+            or len(theirs) != 2
+            or not all(isinstance(v, int) for v in theirs)
+        ):
             return {"ok": False, "error": "bad_hello", "message": "not a Kalos handshake"}
         if theirs[0] != major:
             message = f"sidecar speaks {major}.{minor}, client {theirs[0]}.{theirs[1]}"

@@ -1,0 +1,414 @@
+"""The sidecar process: lifecycle, signals, its socket, its control segment, its stats.
+
+Every sidecar here is a real ``python -m kalos serve`` process in a private runtime directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+import kalos
+from conftest import DIM, TIMEOUT
+from kalos import _native
+from kalos.errors import ConnectError, SidecarGone
+from kalos.protocol import layout as L
+from kalos.protocol.codes import Op, Status
+from kalos.server import Sidecar, SidecarConfig
+from kalos.testing import RunningSidecar
+from kalos.transport.handshake import recv_message, send_message
+
+Start = Callable[..., RunningSidecar]
+
+
+def kalos_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kalos", *args], capture_output=True, text=True, timeout=TIMEOUT
+    )
+
+
+def wait_until(predicate: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+# -- stopping ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_stops_it_cleanly(sidecar: Start, sig: int) -> None:
+    sc = sidecar()
+    shm = sc.connect(timeout=TIMEOUT)
+    uds = sc.connect(transport="uds", timeout=TIMEOUT)
+    shm.add(np.ones(DIM), 1)
+    uds.ping()
+    time.sleep(0.3)  # let the poller park: a parked sidecar must wake up for the signal too
+    assert os.path.exists(sc.socket)
+    assert sc.stop(sig, timeout=TIMEOUT) == 0
+    assert not os.path.exists(sc.socket)
+    # its clients learn that it is gone, and that nobody answers any more
+    for client in (shm, uds):
+        with pytest.raises((SidecarGone, ConnectError)):
+            client.ping()
+        with pytest.raises(ConnectError):
+            client.ping()
+    shm.close()
+    uds.close()
+
+
+def test_stopping_marks_the_control_segment(sidecar: Start) -> None:
+    sc = sidecar()
+    client = sc.connect(timeout=TIMEOUT)
+    ctrl = client._channel()._ctrl  # type: ignore[attr-defined]
+    assert _native.load_acquire(ctrl.addr + L.CTRL_STATE) == L.STATE_READY
+    assert sc.stop(timeout=TIMEOUT) == 0
+    # the client still maps the segment: it reads why its sidecar went away
+    assert _native.load_acquire(ctrl.addr + L.CTRL_STATE) == L.STATE_STOPPING
+    client.close()
+
+
+def test_stale_socket_of_a_killed_sidecar(sidecar: Start) -> None:
+    first = sidecar(name="mem")
+    first.connect(timeout=TIMEOUT).close()
+    first.process.kill()
+    first.process.wait(TIMEOUT)
+    assert os.path.exists(first.socket)  # SIGKILL leaves the socket behind
+    with pytest.raises(ConnectError):
+        kalos.connect("mem", runtime_dir=first.runtime_dir, timeout=TIMEOUT)
+    second = sidecar(name="mem", runtime_dir=first.runtime_dir)
+    assert second.process.poll() is None
+    with second.connect(timeout=TIMEOUT) as client:
+        assert client.stats()["pid"] == second.process.pid
+
+
+def test_a_second_sidecar_of_the_same_name_is_refused(sidecar: Start) -> None:
+    first = sidecar(name="mem")
+    with first.connect(timeout=TIMEOUT) as client:
+        client.add(np.ones(DIM), 7)
+        done = kalos_cli("serve", "--name", "mem", "--dim", str(DIM),
+                         "--runtime-dir", first.runtime_dir)  # fmt: skip
+        assert done.returncode == 2
+        assert "already serving" in done.stderr
+        # the first one is untouched: its socket, its clients, its data
+        assert os.path.exists(first.socket)
+        assert client.search(np.ones(DIM), k=1).ids.tolist() == [7]
+        assert client.stats()["pid"] == first.process.pid
+    with first.connect(timeout=TIMEOUT) as again:  # and it still accepts new clients
+        again.ping()
+
+
+def test_sidecars_of_different_names_share_a_directory(sidecar: Start) -> None:
+    a = sidecar(name="a")
+    b = sidecar(name="b", runtime_dir=a.runtime_dir, dim=3)
+    with a.connect(timeout=TIMEOUT) as ca, b.connect(timeout=TIMEOUT) as cb:
+        assert ca.dim == DIM and cb.dim == 3
+        assert ca.stats()["pid"] != cb.stats()["pid"]
+
+
+def test_a_world_writable_runtime_dir_is_refused(tmp_path: object) -> None:
+    path = os.path.join(str(tmp_path), "open")
+    os.mkdir(path)
+    os.chmod(path, 0o777)
+    done = kalos_cli("serve", "--name", "x", "--dim", "4", "--runtime-dir", path)
+    assert done.returncode == 2
+    assert "world-writable" in done.stderr
+    assert not os.path.exists(os.path.join(path, "x.sock"))
+
+
+def test_bad_configuration_exits_2(tmp_path: object) -> None:
+    for args in (
+        ["--dim", "0"],
+        ["--dim", "4", "--device", "tpu"],
+        ["--dim", "4", "--index", "cpu:nope"],
+    ):
+        done = kalos_cli("serve", "--name", "x", "--runtime-dir", str(tmp_path), *args)
+        assert done.returncode == 2, (args, done.stderr)
+        assert "kalos:" in done.stderr
+
+
+# -- the status command and the counters ------------------------------------------------------
+
+
+def test_status_prints_json(sidecar: Start) -> None:
+    sc = sidecar(name="stats-me", metric="l2")
+    with sc.connect(timeout=TIMEOUT) as client:
+        client.add(np.eye(DIM), np.arange(DIM), payloads=["abc"] * DIM)
+    done = kalos_cli("status", "--name", "stats-me", "--runtime-dir", sc.runtime_dir,
+                     "--timeout", str(TIMEOUT))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    stats = json.loads(done.stdout)
+    assert stats["items"] == DIM
+    assert stats["payload_bytes"] == 3 * DIM
+    assert stats["name"] == "stats-me" and stats["metric"] == "l2" and stats["dim"] == DIM
+    assert stats["pid"] == sc.process.pid
+    assert stats["requests"]["add"] == 1
+
+
+def test_status_of_no_sidecar_exits_2(tmp_path: object) -> None:
+    done = kalos_cli("status", "--name", "nobody", "--runtime-dir", str(tmp_path))
+    assert done.returncode == 2
+    assert "no sidecar" in done.stderr
+
+
+def test_stats_counters_move(sidecar: Start) -> None:
+    sc = sidecar()
+    watcher = sc.connect(transport="uds", timeout=TIMEOUT)
+    s0 = watcher.stats()
+    assert s0["connects"] == 1 and s0["uds_connections"] == 1 and s0["channels"] == 0
+    shm = sc.connect(timeout=TIMEOUT)
+    shm.add(np.ones((3, DIM)), [1, 2, 3], payloads=["a", "b", "c"])
+    shm.search(np.ones(DIM), k=2)
+    shm.search(np.ones(DIM), k=2)
+    shm.remove([3])
+    shm.ping()
+    with pytest.raises(kalos.InvalidRequest):
+        shm.search(np.full(DIM, np.nan), k=1)
+    s1 = watcher.stats()
+    assert s1["connects"] == 2 and s1["channels"] == 1
+    assert s1["items"] == 2 and s1["payload_bytes"] == 2
+    moved = {op: s1["requests"][op] - s0["requests"][op] for op in s1["requests"]}
+    assert moved == {"ping": 1, "stats": 1, "add": 1, "remove": 1, "search": 3}
+    assert s1["errors"] == s0["errors"] + 1
+    assert s1["epoch"] == s0["epoch"] and s1["pid"] == s0["pid"]
+    assert s1["uptime_s"] >= s0["uptime_s"]
+    shm.close()
+    wait_until(lambda: watcher.stats()["channels"] == 0, "the closed channel to be freed")
+    watcher.close()
+
+
+# -- what a client maps -----------------------------------------------------------------------
+
+
+def test_control_segment_and_channel_header(sidecar: Start) -> None:
+    sc = sidecar(metric="cosine")
+    with sc.connect(timeout=TIMEOUT) as client:
+        t = client._channel()
+        ctrl = t._ctrl  # type: ignore[attr-defined]
+        (magic, layout, major, minor, epoch, pid, state, dim, metric, max_k, zero,
+         start_ns) = L.CTRL_HEADER.unpack_from(ctrl.buf, 0)  # fmt: skip
+        assert (magic, layout, major, minor) == (b"KALO", 1, 1, 0)
+        assert epoch == client.info["epoch"] != 0
+        assert pid == sc.process.pid
+        assert state == L.STATE_READY
+        assert (dim, metric, max_k, zero) == (DIM, 1, 1024, 0)
+        assert 0 < start_ns <= time.monotonic_ns()
+        chan = t._chan  # type: ignore[attr-defined]
+        cmagic, clayout, cid, cepoch, arena, req_off, resp_off = L.CHAN_HEADER.unpack_from(
+            chan.buf, 0
+        )
+        assert (cmagic, clayout, cepoch) == (b"KCHN", 1, epoch)
+        assert cid == client.info["channel_id"]
+        assert (arena, req_off, resp_off) == (1 << 20, 4096, 4096 + (1 << 20))
+        # the heartbeat goes on while the sidecar is idle (parked)
+        beats = _native.load_acquire(ctrl.addr + L.CTRL_HEARTBEAT_COUNT)
+        wait_until(
+            lambda: _native.load_acquire(ctrl.addr + L.CTRL_HEARTBEAT_COUNT) > beats + 2,
+            "heartbeats",
+        )
+        assert 0 < _native.load_acquire(ctrl.addr + L.CTRL_HEARTBEAT_NS) <= time.monotonic_ns()
+
+
+def test_every_start_has_a_new_epoch(sidecar: Start) -> None:
+    first = sidecar(name="e")
+    with first.connect(timeout=TIMEOUT) as c:
+        epoch = c.info["epoch"]
+    first.stop()
+    second = sidecar(name="e", runtime_dir=first.runtime_dir)
+    with second.connect(timeout=TIMEOUT) as c:
+        assert c.info["epoch"] != epoch
+
+
+# -- the handshake socket faces anything ------------------------------------------------------
+
+
+def _raw(sc: RunningSidecar) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(TIMEOUT)
+    s.connect(sc.socket)
+    return s
+
+
+def _hello(**fields: object) -> dict:
+    hello = {"magic": "KALO", "protocol": [1, 0], "transport": "shm", "arena_bytes": 65536}
+    hello.update(fields)
+    return hello
+
+
+def _reply_or_eof(s: socket.socket) -> dict | None:
+    try:
+        reply, fds = recv_message(s)
+    except ConnectionError:
+        return None
+    for fd in fds:
+        os.close(fd)
+    return reply
+
+
+BAD_HELLOS = [
+    ("bad magic", _hello(magic="NOPE"), "bad_hello"),
+    ("no protocol", {"magic": "KALO", "transport": "shm"}, "bad_hello"),
+    ("protocol not a pair", _hello(protocol=[1]), "bad_hello"),
+    ("protocol not numbers", _hello(protocol=[1, "x"]), "bad_hello"),
+    ("bad transport", _hello(transport="carrier-pigeon"), "bad_transport"),
+    ("old major", _hello(protocol=[0, 9]), "protocol_mismatch"),
+]
+
+
+@pytest.mark.parametrize("hello, error", [(h, e) for _, h, e in BAD_HELLOS],
+                         ids=[n for n, _, _ in BAD_HELLOS])  # fmt: skip
+def test_bad_hellos_are_refused_with_a_reason(sidecar: Start, hello: dict, error: str) -> None:
+    sc = sidecar()
+    with _raw(sc) as s:
+        send_message(s, hello)
+        reply = _reply_or_eof(s)
+    assert reply is not None and reply["ok"] is False
+    assert reply["error"] == error
+    assert reply.get("message")
+    with sc.connect(timeout=TIMEOUT) as client:
+        client.ping()
+
+
+def test_garbage_on_the_socket_never_takes_it_down(sidecar: Start) -> None:
+    sc = sidecar()
+    with sc.connect(timeout=TIMEOUT) as client:
+        client.add(np.ones(DIM), 5)
+        frames = [
+            b"",  # connect and hang up
+            struct.pack("<I", 0xFFFFFFFF),  # a length past the limit
+            struct.pack("<I", 9) + b"not json!",
+            struct.pack("<I", 6) + b"[1, 2]",  # JSON, not an object
+            struct.pack("<I", 100) + b"short",  # then hang up mid-message
+            os.urandom(300),
+        ]
+        for frame in frames:
+            with _raw(sc) as s:
+                if frame:
+                    s.sendall(frame)
+                s.shutdown(socket.SHUT_WR)
+                reply = _reply_or_eof(s)
+                assert reply is None or reply["ok"] is False
+            assert client.search(np.ones(DIM), k=1).ids.tolist() == [5]
+
+
+def test_a_silent_connection_does_not_block_others(sidecar: Start) -> None:
+    sc = sidecar()
+    with _raw(sc):  # connects and says nothing
+        with sc.connect(timeout=TIMEOUT) as client:
+            client.ping()
+        with sc.connect(transport="uds", timeout=TIMEOUT) as client:
+            client.ping()
+
+
+def test_uds_frame_longer_than_the_arena(sidecar: Start) -> None:
+    sc = sidecar()
+    with _raw(sc) as s:
+        send_message(s, _hello(transport="uds"))
+        reply = _reply_or_eof(s)
+        assert reply is not None and reply["ok"] and reply["arena_bytes"] == 65536
+        s.sendall(L.REQ_FRAME.pack(1, Op.PING, 0, 65537, 0, 0))
+        head = b""
+        while len(head) < L.RESP_FRAME.size:
+            chunk = s.recv(L.RESP_FRAME.size - len(head))
+            assert chunk, "no response frame"
+            head += chunk
+        seq, status, _, n, *_ = L.RESP_FRAME.unpack(head)
+        assert (seq, status) == (1, Status.PAYLOAD_TOO_LARGE)
+        body = s.recv(n, socket.MSG_WAITALL)
+        assert b"exceeds the arena" in body
+        assert s.recv(1) == b""  # and the stream is closed: it cannot be resynchronised
+    with sc.connect(transport="uds", timeout=TIMEOUT) as client:
+        client.ping()
+
+
+# -- who may connect --------------------------------------------------------------------------
+
+NOBODY = 65534
+
+
+def _hello_as(uid: int, path: str) -> dict:
+    """Handshakes from a forked child running as ``uid``; returns the sidecar's reply."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.close(r)
+            os.setgid(uid)
+            os.setuid(uid)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(TIMEOUT)
+            s.connect(path)
+            send_message(s, _hello())
+            reply, _ = recv_message(s)
+            fields = {k: reply.get(k) for k in ("ok", "error", "message")}
+            os.write(w, json.dumps(fields).encode())
+        except BaseException as exc:
+            os.write(w, json.dumps({"exception": repr(exc)}).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        out = json.loads(f.read())
+    os.waitpid(pid, 0)
+    return out
+
+
+def _open_to_everyone(sc: RunningSidecar) -> None:
+    # the sidecar makes its socket 0600 in a 0700 directory; open them so that the peer
+    # credential check (SO_PEERCRED) is what refuses, not the file mode
+    os.chmod(sc.runtime_dir, 0o711)
+    os.chmod(sc.socket, 0o666)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to connect as another uid")
+def test_another_uid_is_refused(sidecar: Start) -> None:
+    sc = sidecar()
+    _open_to_everyone(sc)
+    reply = _hello_as(NOBODY, sc.socket)
+    assert reply.get("ok") is False, reply
+    assert reply["error"] == "refused"
+    assert str(NOBODY) in reply["message"]
+    with sc.connect(timeout=TIMEOUT) as client:
+        assert client.stats()["refused"] == 1
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to connect as another uid")
+def test_an_allowed_uid_connects(sidecar: Start) -> None:
+    sc = sidecar(extra_args=("--allow-uid", str(NOBODY)))
+    _open_to_everyone(sc)
+    reply = _hello_as(NOBODY, sc.socket)
+    assert reply.get("ok") is True, reply
+
+
+def test_socket_and_directory_modes(sidecar: Start) -> None:
+    sc = sidecar()
+    assert os.stat(sc.socket).st_mode & 0o777 == 0o600
+
+
+# -- embedded: Sidecar(config).start() --------------------------------------------------------
+
+
+def test_embedded_sidecar(tmp_path: object) -> None:
+    config = SidecarConfig(name="embedded", dim=4, runtime_dir=str(tmp_path))
+    sidecar = Sidecar(config).start()
+    try:
+        with kalos.connect("embedded", runtime_dir=str(tmp_path), timeout=TIMEOUT) as client:
+            client.add(np.eye(4), [1, 2, 3, 4])
+            assert client.search(np.eye(4)[2], k=1).ids.tolist() == [3]
+            sidecar.stop()
+            assert not os.path.exists(sidecar.path)
+            with pytest.raises((SidecarGone, ConnectError)):
+                client.ping()
+    finally:
+        sidecar.stop()
