@@ -44,6 +44,12 @@ _ERROR_STATUS: tuple[tuple[type[KalosError], Status], ...] = (
 )
 
 
+# Ops that change a store. With durability on, each successful one is logged before its
+# response is published and replayed at recovery (kalos.server.durability): such an op must
+# be deterministic given its request body and the request time (``Dispatcher.now_ns``).
+WRITE_OPS: frozenset[int] = frozenset({Op.ADD, Op.REMOVE})
+
+
 def status_for(exc: KalosError) -> Status:
     for cls, status in _ERROR_STATUS:
         if isinstance(exc, cls):
@@ -68,6 +74,7 @@ class Dispatcher:
         self.metric = memories.index.metric
         self.started = time.time()
         self.requests = [0] * (max(Op) + 1)  # by op code
+        self.now_ns = 0  # wall-clock time of the request being handled (see handle)
         self.errors = 0
         self._extra_stats = extra_stats
         self._ops: dict[int, Callable[[int, np.ndarray, np.ndarray], tuple[int, int]]] = {
@@ -91,10 +98,15 @@ class Dispatcher:
         }
 
     def handle(
-        self, op: int, flags: int, body: np.ndarray, out: np.ndarray
+        self, op: int, flags: int, body: np.ndarray, out: np.ndarray, now_ns: int | None = None
     ) -> tuple[int, int, int, int]:
-        """Runs one request. Returns (status, response length, compute ns, write ns)."""
+        """Runs one request. Returns (status, response length, compute ns, write ns).
+
+        ``now_ns``: the request's wall-clock time (ns since the epoch), default the clock now;
+        recovery passes the logged time. Ops read it from :attr:`now_ns`, never the clock.
+        """
         t0 = _monotonic_ns()
+        self.now_ns = time.time_ns() if now_ns is None else now_ns
         fn = self._ops.get(op)
         try:
             if fn is None:
