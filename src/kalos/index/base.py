@@ -1,0 +1,386 @@
+"""The :class:`Index` protocol every vector backend speaks, and the validation they share.
+
+An index maps caller-chosen 64-bit ids to float32 vectors with a scope (tenant, user, session)
+each, and answers exact or approximate top-k queries with faiss's verbs: ``add`` (an upsert),
+``search``, ``remove``, ``reconstruct``. Backends live one per file next to this one and are
+named by spec strings (see :mod:`kalos.index.factory`); this module imports numpy only.
+
+Conventions every backend keeps (the conformance tests in ``tests/index`` pin them):
+
+* ``search`` always returns 2-D ``(scores [nq, k] float32, ids [nq, k] int64)``. Where fewer
+  than k items match, the tail holds id ``-1`` (:data:`NO_ID`) and score ``-inf`` for
+  ``"ip"``/``"cosine"`` or ``+inf`` for ``"l2"`` (see :func:`missing_score`).
+* ``"ip"`` and ``"cosine"`` rank by descending score, ``"l2"`` by ascending squared L2 distance.
+  ``"cosine"`` stores the unit-normalised vector, so ``reconstruct`` returns that.
+* A :data:`ScopeFilter` is ``(tenant, user, session)``; 0 is a wildcard. Items that do not
+  match are never returned.
+* Bad input raises :class:`kalos.errors.InvalidRequest`; an unknown id in ``reconstruct``
+  raises :class:`kalos.errors.NotFound`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from kalos.errors import ConfigError, InvalidRequest
+
+ScopeFilter = tuple[int, int, int]
+"""``(tenant, user, session)``; 0 matches anything, a non-zero field must equal the item's."""
+
+METRICS: tuple[str, ...] = ("ip", "cosine", "l2")
+NO_ID = -1
+"""The id that marks "no result" in search output; it can never be stored."""
+
+_FLOAT_KINDS = (np.float16, np.float32, np.float64)
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+@runtime_checkable
+class Index(Protocol):
+    """A vector index for one dimension and one metric, used by one thread at a time."""
+
+    spec: str  # the spec string it was created from, e.g. "cpu:flat"
+    dim: int
+    metric: str  # "ip" | "cosine" | "l2"
+
+    def __len__(self) -> int:
+        """Number of live items."""
+        ...
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held for vectors, ids and scopes (allocated capacity, not only live rows)."""
+        ...
+
+    def add(self, vectors: object, ids: object, scopes: object = None) -> None:
+        """Upsert: vectors [n, dim] float, ids [n] int64, scopes [n, 3] int64 or None (zeros).
+
+        An id already present is replaced (vector and scope); inside one batch the last
+        occurrence of an id wins. Id -1 is reserved.
+        """
+        ...
+
+    def search(
+        self, queries: object, k: int, *, scope: ScopeFilter | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k of queries [nq, dim] or [dim] → (scores [nq, k] float32, ids [nq, k] int64).
+
+        The returned arrays are new and owned by the caller.
+        """
+        ...
+
+    def remove(self, ids: object) -> int:
+        """Remove ids [n]; unknown ids are ignored. Returns how many were present."""
+        ...
+
+    def reconstruct(self, ids: object) -> np.ndarray:
+        """Stored vectors of ids [n] as [n, dim] float32 (a copy); NotFound for unknown ids."""
+        ...
+
+    def dump(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Copies of all live items: (ids [n] int64, vectors [n, dim] float32, scopes [n, 3])."""
+        ...
+
+    def reset(self) -> None:
+        """Remove every item."""
+        ...
+
+
+# --- configuration ---------------------------------------------------------------------------
+
+
+def check_config(dim: object, metric: object) -> tuple[int, str]:
+    """Validate ``dim`` and ``metric`` given to a backend constructor (ConfigError)."""
+    if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or int(dim) <= 0:
+        raise ConfigError(f"dim must be a positive integer, got {dim!r}")
+    if metric not in METRICS:
+        raise ConfigError(f"metric must be one of {', '.join(METRICS)}; got {metric!r}")
+    return int(dim), str(metric)
+
+
+def missing_score(metric: str) -> float:
+    """Score reported next to id -1: the worst possible value for the metric's order."""
+    return math.inf if metric == "l2" else -math.inf
+
+
+# --- request validation ----------------------------------------------------------------------
+
+
+def _as_float_array(x: object, what: str) -> np.ndarray:
+    arr = np.asarray(x)
+    if arr.dtype.type not in _FLOAT_KINDS:
+        raise InvalidRequest(f"{what} must be float32 (float16/float64 accepted); got {arr.dtype}")
+    return arr
+
+
+def _check_finite(arr: np.ndarray, what: str) -> None:
+    if not np.isfinite(arr).all():
+        raise InvalidRequest(f"{what} contain NaN or inf")
+
+
+def check_vectors(vectors: object, dim: int) -> np.ndarray:
+    """vectors [n, dim] float16/32/64 → C-contiguous float32 [n, dim], finite."""
+    arr = _as_float_array(vectors, "vectors")
+    if arr.ndim != 2:
+        raise InvalidRequest(f"vectors must be 2-D [n, {dim}]; got shape {arr.shape}")
+    if arr.shape[1] != dim:
+        raise InvalidRequest(f"vectors have dimension {arr.shape[1]}; the index has {dim}")
+    with np.errstate(over="ignore"):  # float64 beyond float32's range becomes inf: refused below
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+    _check_finite(arr, "vectors")
+    return arr
+
+
+def check_queries(queries: object, dim: int) -> np.ndarray:
+    """queries [nq, dim] or [dim] → C-contiguous float32 [nq, dim], finite."""
+    arr = _as_float_array(queries, "queries")
+    if arr.ndim == 1:
+        arr = arr.reshape(1, -1)
+    elif arr.ndim != 2:
+        raise InvalidRequest(f"queries must be [nq, {dim}] or [{dim}]; got shape {arr.shape}")
+    if arr.shape[1] != dim:
+        raise InvalidRequest(f"queries have dimension {arr.shape[1]}; the index has {dim}")
+    with np.errstate(over="ignore"):
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+    _check_finite(arr, "queries")
+    return arr
+
+
+def check_k(k: object) -> int:
+    """k must be a positive integer; k larger than the index is fine (the tail is -1)."""
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+        raise InvalidRequest(f"k must be an integer; got {k!r}")
+    if k <= 0:
+        raise InvalidRequest(f"k must be positive; got {k}")
+    return int(k)
+
+
+def _as_int64(x: object, what: str) -> np.ndarray:
+    arr = np.asarray(x)
+    if arr.dtype.kind == "u":
+        if arr.size and int(arr.max()) > _INT64_MAX:
+            raise InvalidRequest(f"{what} must fit in int64")
+    elif arr.dtype.kind != "i":
+        if arr.size == 0 and arr.dtype.kind == "f":  # np.asarray([]) is float64
+            return arr.astype(np.int64)
+        raise InvalidRequest(f"{what} must be int64; got {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+def check_ids(ids: object, n: int | None = None, *, storing: bool = False) -> np.ndarray:
+    """ids [n] integers → C-contiguous int64 [n]. When ``storing``, id -1 is refused."""
+    arr = _as_int64(ids, "ids")
+    if arr.ndim == 0:
+        arr = arr.reshape(1)
+    if arr.ndim != 1:
+        raise InvalidRequest(f"ids must be 1-D; got shape {arr.shape}")
+    if n is not None and arr.shape[0] != n:
+        raise InvalidRequest(f"got {arr.shape[0]} ids for {n} vectors")
+    if storing and (arr == NO_ID).any():
+        raise InvalidRequest("id -1 is reserved for 'no result' and cannot be stored")
+    return arr
+
+
+def check_scopes(scopes: object, n: int) -> np.ndarray:
+    """scopes [n, 3] integers or None → C-contiguous int64 [n, 3] (None: all zeros)."""
+    if scopes is None:
+        return np.zeros((n, 3), dtype=np.int64)
+    arr = _as_int64(scopes, "scopes")
+    if arr.ndim != 2 or arr.shape[1] != 3:
+        raise InvalidRequest(f"scopes must be [n, 3] (tenant, user, session); got {arr.shape}")
+    if arr.shape[0] != n:
+        raise InvalidRequest(f"got {arr.shape[0]} scopes for {n} vectors")
+    return arr
+
+
+def check_scope_filter(scope: object) -> ScopeFilter | None:
+    """A filter of three ints, or None. An all-zero filter matches everything (→ None)."""
+    if scope is None:
+        return None
+    try:
+        fields: tuple[object, ...] = tuple(scope)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidRequest(f"scope must be (tenant, user, session); got {scope!r}") from None
+    if len(fields) != 3 or not all(
+        isinstance(f, (int, np.integer)) and not isinstance(f, bool) for f in fields
+    ):
+        raise InvalidRequest(f"scope must be three ints (tenant, user, session); got {scope!r}")
+    tenant, user, session = (int(f) for f in fields)  # type: ignore[call-overload]
+    if not all(-_INT64_MAX - 1 <= f <= _INT64_MAX for f in (tenant, user, session)):
+        raise InvalidRequest(f"scope fields must fit in int64; got {scope!r}")
+    if tenant == user == session == 0:
+        return None
+    return (tenant, user, session)
+
+
+# --- shared numerics -------------------------------------------------------------------------
+
+
+def normalise_rows(vectors: np.ndarray, what: str) -> np.ndarray:
+    """Unit-normalise float32 rows for cosine; a zero row has no direction (InvalidRequest).
+
+    Norms are taken in float64 so that large float32 values cannot overflow.
+    """
+    norms = np.sqrt(np.einsum("ij,ij->i", vectors, vectors, dtype=np.float64))
+    if (norms == 0).any():
+        raise InvalidRequest(f"{what} with zero norm have no cosine similarity")
+    return (vectors / norms[:, None]).astype(np.float32)
+
+
+def last_occurrences(ids: np.ndarray) -> np.ndarray | None:
+    """Positions that keep the last occurrence of each id, in batch order; None if no dupes."""
+    uniq, first_in_reversed = np.unique(ids[::-1], return_index=True)
+    if uniq.shape[0] == ids.shape[0]:
+        return None
+    return np.sort(ids.shape[0] - 1 - first_in_reversed)
+
+
+def scope_mask(columns: np.ndarray, scope: ScopeFilter) -> np.ndarray:
+    """Which items match ``scope``: columns is [3, n] int64 (tenant, user, session rows)."""
+    mask: np.ndarray | None = None
+    for field, want in enumerate(scope):
+        if want:
+            hit = columns[field] == want
+            mask = hit if mask is None else np.logical_and(mask, hit, out=mask)
+    if mask is None:  # an all-zero filter; check_scope_filter turns that into None already
+        return np.ones(columns.shape[1], dtype=bool)
+    return mask
+
+
+# --- dense id and scope rows ------------------------------------------------------------------
+
+
+class RowTable:
+    """Ids and scopes of live items in dense rows ``0..n-1``, plus the id → row map.
+
+    Backends keep their vectors in the same row order: :meth:`upsert` tells them which row
+    each incoming item lands in, and :meth:`remove` which rows moved to fill the holes (the
+    last rows move down, so storage stays dense and a scan never meets a hole). Capacity
+    grows by doubling, so adding n items costs amortised O(n) copying.
+    """
+
+    def __init__(self) -> None:
+        self._row_of: dict[int, int] = {}
+        self._n = 0
+        self._ids = np.empty(0, dtype=np.int64)  # [capacity]
+        self._scopes = np.empty((3, 0), dtype=np.int64)  # [3, capacity]: one row per field
+
+    def __len__(self) -> int:
+        return self._n
+
+    @property
+    def capacity(self) -> int:
+        return int(self._ids.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._ids.nbytes + self._scopes.nbytes)
+
+    @property
+    def ids(self) -> np.ndarray:
+        """ids [n] int64 of the live rows (a view)."""
+        return self._ids[: self._n]
+
+    @property
+    def scope_columns(self) -> np.ndarray:
+        """[3, n] int64 view: tenant, user and session of every live row."""
+        return self._scopes[:, : self._n]
+
+    def rows_of(self, ids: np.ndarray) -> np.ndarray:
+        """rows [n] int64 of ids [n]; -1 where the id is not present."""
+        get = self._row_of.get
+        return np.fromiter((get(i, -1) for i in ids.tolist()), dtype=np.int64, count=len(ids))
+
+    def upsert(self, ids: np.ndarray, scopes: np.ndarray) -> np.ndarray:
+        """Place unique ids [m] with scopes [m, 3]; returns the row of each.
+
+        Ids already present keep their row (their scope is replaced); new ids take rows
+        ``n, n+1, ...`` in batch order, so a backend can append their vectors as one block.
+        """
+        rows = self.rows_of(ids)
+        new = rows < 0
+        n_new = int(new.sum())
+        if n_new:
+            first = self._n
+            self._reserve(first + n_new)
+            rows[new] = np.arange(first, first + n_new, dtype=np.int64)
+            new_ids = ids[new]
+            self._ids[first : first + n_new] = new_ids
+            self._row_of.update(zip(new_ids.tolist(), range(first, first + n_new), strict=True))
+            self._n = first + n_new
+        self._scopes[:, rows] = scopes.T
+        return rows
+
+    def remove(self, ids: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
+        """Drop ids [m] (unknown ones ignored) → (how many were present, holes, movers).
+
+        The caller must copy its vector row ``movers[i]`` into row ``holes[i]``; after that,
+        rows ``0..len(self)-1`` are the live ones. Ids and scopes are already moved here.
+        """
+        pop = self._row_of.pop
+        unique = np.unique(ids)
+        gone = np.fromiter((pop(i, -1) for i in unique.tolist()), np.int64, unique.shape[0])
+        gone = gone[gone >= 0]
+        if gone.shape[0] == 0:
+            empty = np.empty(0, dtype=np.int64)
+            return 0, empty, empty
+        old_n = self._n
+        new_n = old_n - gone.shape[0]
+        holes = gone[gone < new_n]
+        tail_free = np.ones(old_n - new_n, dtype=bool)
+        tail_free[gone[gone >= new_n] - new_n] = False
+        movers = np.flatnonzero(tail_free) + new_n  # live rows beyond the new end, ascending
+        holes.sort()
+        self._ids[holes] = self._ids[movers]
+        self._scopes[:, holes] = self._scopes[:, movers]
+        self._row_of.update(zip(self._ids[holes].tolist(), holes.tolist(), strict=True))
+        self._n = new_n
+        return int(gone.shape[0]), holes, movers
+
+    def reset(self) -> None:
+        self._row_of = {}
+        self._n = 0
+        self._ids = np.empty(0, dtype=np.int64)
+        self._scopes = np.empty((3, 0), dtype=np.int64)
+
+    def _reserve(self, need: int) -> None:
+        if need <= self.capacity:
+            return
+        capacity = grown_capacity(self.capacity, need)
+        ids = np.empty(capacity, dtype=np.int64)
+        ids[: self._n] = self._ids[: self._n]
+        scopes = np.empty((3, capacity), dtype=np.int64)
+        scopes[:, : self._n] = self._scopes[:, : self._n]
+        self._ids, self._scopes = ids, scopes
+
+
+MIN_CAPACITY = 64
+
+
+def grown_capacity(current: int, need: int) -> int:
+    """Capacity after growing to hold ``need`` rows: at least double, at least MIN_CAPACITY."""
+    return max(need, 2 * current, MIN_CAPACITY)
+
+
+__all__ = [
+    "METRICS",
+    "NO_ID",
+    "Index",
+    "RowTable",
+    "ScopeFilter",
+    "check_config",
+    "check_ids",
+    "check_k",
+    "check_queries",
+    "check_scope_filter",
+    "check_scopes",
+    "check_vectors",
+    "grown_capacity",
+    "last_occurrences",
+    "missing_score",
+    "normalise_rows",
+    "scope_mask",
+]
