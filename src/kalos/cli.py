@@ -25,6 +25,9 @@ def _serve(args: argparse.Namespace) -> int:
         compute_threads=args.compute_threads,
         allowed_uids=tuple(args.allow_uid),
         allowed_gid=args.allow_gid,
+        data_dir=args.data_dir,
+        fsync=args.fsync,
+        snapshot_bytes=max(1, int(args.snapshot_mb * (1 << 20))),
     )
     sidecar = Sidecar(config)
 
@@ -88,6 +91,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="another uid allowed to connect (repeatable)",
     )
     serve.add_argument("--allow-gid", type=int, default=None, help="a gid allowed to connect")
+    serve.add_argument(
+        "--data-dir",
+        default=None,
+        help="keep a write-ahead log and snapshots here and recover from them at start "
+        "(without it the sidecar keeps everything in memory only)",
+    )
+    serve.add_argument(
+        "--fsync",
+        default="always",
+        help="always (sync before acknowledging a write; concurrent writes share a sync), "
+        "interval:MS (sync every MS ms) or off (the OS decides)",
+    )
+    serve.add_argument(
+        "--snapshot-mb",
+        type=float,
+        default=256.0,
+        help="take a snapshot once the log grew this many MiB since the last one",
+    )
     serve.set_defaults(func=_serve)
 
     status = sub.add_parser("status", help="print a running sidecar's stats as JSON")

@@ -3,6 +3,12 @@
 One poller thread serves every channel. While requests flow it spins over the channels'
 request sequence words (one acquire-load each); once no request came for ``spin_us`` it parks
 on the control segment's doorbell, so an idle sidecar costs nothing but a heartbeat.
+
+With durability (a :class:`~kalos.server.durability.Durability` as ``journal``) the response
+to a logged write is held back: after each sweep the poller starts one group commit for every
+record of the sweep, keeps serving, and publishes each held response once its record is
+durable (the log's flusher rings the doorbell when a commit lands). Between sweeps it takes a
+snapshot when one is due.
 """
 
 from __future__ import annotations
@@ -10,12 +16,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from kalos import _native
 from kalos.protocol import layout as L
 from kalos.protocol.codes import Status
 from kalos.protocol.messages import encode_text
 from kalos.transport.memory import SharedMemory, create
+
+if TYPE_CHECKING:
+    from kalos.server.durability import Durability
 
 log = logging.getLogger("kalos.server")
 
@@ -69,10 +79,15 @@ class Poller:
         *,
         spin_us: float,
         heartbeat_ms: float,
+        journal: Durability | None = None,
     ) -> None:
         self._ctrl = control
-        self._handle = handle  # Dispatcher.handle
+        self._handle = handle  # Dispatcher.handle, or Durability.handle
         self._lock = lock
+        self._journal = journal
+        # Responses to logged writes awaiting their commit, in LSN order:
+        # (lsn, channel, seq, status, body length, queue ns, compute ns, write ns)
+        self._held: list[tuple[int, ServerChannel, int, int, int, int, int, int]] = []
         self._spin_ns = int(spin_us * 1000)
         self._heartbeat_ns = int(heartbeat_ms * 1e6)
         self.channels: tuple[ServerChannel, ...] = ()
@@ -111,12 +126,16 @@ class Poller:
                 if seq != ch.last_seq:
                     self.serve(ch, seq)
                     worked = True
+            if self._held:
+                self._release()
             now = _monotonic_ns()
             if now >= next_beat:
                 beats += 1
                 _store(self._hb_ns, now)
                 _store(self._hb_count, beats)
                 next_beat = now + self._heartbeat_ns
+            if self._journal is not None and self._journal.snapshot_due():
+                self._journal.snapshot()
             if worked:
                 last_work = now
                 continue
@@ -124,6 +143,32 @@ class Poller:
                 continue
             if self._park():
                 last_work = _monotonic_ns()
+        if self._held:  # stopping: answer every write whose record can still be made durable
+            assert self._journal is not None
+            self._journal.sync()
+            self._release()
+
+    def _release(self) -> None:
+        """Commits the held writes' records and publishes those that are durable (or failed)."""
+        journal = self._journal
+        assert journal is not None
+        journal.commit()
+        held = self._held
+        done = 0
+        for lsn, ch, seq, status, n, queue_ns, compute_ns, write_ns in held:
+            outcome = journal.outcome(lsn)
+            if outcome is None:
+                break
+            if outcome is not True:  # the log failed: the write is not acknowledged
+                status = Status.SERVER_ERROR
+                n = encode_text(ch.resp_arena, outcome)
+            L.RESP_FIELDS.pack_into(
+                ch.buf, L.RESP_STATUS, status, 0, n, queue_ns, compute_ns, write_ns
+            )
+            _publish(ch.resp_seq, seq, ch.client_parked, ch.client_bell)
+            done += 1
+        if done:
+            del held[:done]
 
     def _park(self) -> bool:
         """Sleeps on the doorbell until a client rings it or a heartbeat is due.
@@ -139,6 +184,10 @@ class Poller:
             for ch in self.channels:
                 if _load(ch.req_seq) != ch.last_seq:
                     return True
+            # The log's flusher rings the doorbell after each commit (after the outcome is set)
+            held, journal = self._held, self._journal
+            if held and journal is not None and journal.outcome(held[0][0]) is not None:
+                return True
             if self.stopping:
                 return False
             return bool(_native.futex_wait(self._bell, bell & 0xFFFFFFFF, self._heartbeat_ns))
@@ -164,6 +213,12 @@ class Poller:
                 status, n, compute_ns, write_ns = self._handle(
                     op, flags, ch.req_arena[:body_len], ch.resp_arena
                 )
+                lsn = self._journal.last_lsn if self._journal is not None else 0
+            if lsn:  # a logged write: answered once its record is durable (_release)
+                ch.last_seq = seq
+                ch.requests += 1
+                self._held.append((lsn, ch, seq, status, n, queue_ns, compute_ns, write_ns))
+                return
         L.RESP_FIELDS.pack_into(buf, L.RESP_STATUS, status, 0, n, queue_ns, compute_ns, write_ns)
         ch.last_seq = seq
         ch.requests += 1

@@ -9,6 +9,7 @@ from kalos.errors import ConfigError
 from kalos.paths import check_name
 from kalos.protocol import codes
 from kalos.protocol import layout as L
+from kalos.stores.wal import FsyncPolicy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,11 @@ class SidecarConfig:
     heartbeat_ms: float = 100.0  # parked sidecars still beat this often (≈0.1% of a core)
     allowed_uids: tuple[int, ...] = ()  # besides the sidecar's own uid
     allowed_gid: int | None = None
+    # Durability (docs/OPERATIONS.md): None keeps everything in memory only.
+    data_dir: str | None = None
+    fsync: str = "always"  # always | interval:MS | off
+    snapshot_bytes: int = 256 << 20  # snapshot once the log grew this much since the last
+    wal_segment_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         check_name(self.name)
@@ -45,6 +51,9 @@ class SidecarConfig:
             raise ConfigError("compute_threads must be at least 1")
         if not L.MIN_ARENA_BYTES <= self.max_arena_bytes <= L.MAX_ARENA_BYTES:
             raise ConfigError("max_arena_bytes out of range")
+        FsyncPolicy.parse(self.fsync)  # ConfigError when malformed
+        if self.snapshot_bytes < 1 or self.wal_segment_bytes < 4096:
+            raise ConfigError("snapshot_bytes must be positive and wal_segment_bytes >= 4096")
 
     @property
     def index_spec(self) -> str:

@@ -3,6 +3,10 @@
 Each accepted connection gets its own thread: it checks the peer's credentials
 (SO_PEERCRED), negotiates the protocol version and then either hands over a shm channel (and
 waits for the connection to close, which frees the channel) or serves uds frames itself.
+
+The socket listens from the start, but until the sidecar is ready (recovery done) a
+handshake is held for up to ``STARTING_HOLD_S`` and then refused with the error "starting":
+a short recovery is invisible to clients, a long one is reported, never served half-done.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -28,9 +32,13 @@ from kalos.server.config import SidecarConfig
 from kalos.transport.handshake import recv_message, send_message
 from kalos.transport.uds import recv_exactly
 
+if TYPE_CHECKING:
+    from kalos.server.durability import Durability
+
 log = logging.getLogger("kalos.server")
 
 HANDSHAKE_TIMEOUT_S = 5.0
+STARTING_HOLD_S = 2.0  # below the client's default 5 s deadline
 _PEERCRED = struct.Struct("3i")
 
 
@@ -45,6 +53,7 @@ class Listener:
         handle: Callable[..., tuple[int, int, int, int]],
         lock: threading.Lock,
         info: Callable[[], dict[str, Any]],
+        journal: Durability | None = None,
     ) -> None:
         self.config = config
         self.path = path
@@ -54,6 +63,8 @@ class Listener:
         self._handle = handle
         self._lock = lock
         self._info = info
+        self._journal = journal
+        self.ready = threading.Event()  # set once recovery is done
         self._ids = itertools.count(1)
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
@@ -125,6 +136,10 @@ class Listener:
         hello, fds = recv_message(conn)
         for fd in fds:
             os.close(fd)
+        if not self.ready.wait(STARTING_HOLD_S):
+            message = "the sidecar is starting (recovering its data); retry shortly"
+            send_message(conn, {"ok": False, "error": "starting", "message": message})
+            return
         reply = self._negotiate(hello)
         if not reply["ok"]:
             send_message(conn, reply)
@@ -224,5 +239,11 @@ class Listener:
             else:
                 with self._lock:
                     status, n, compute_ns, write_ns = self._handle(op, flags, body[:body_len], resp)
+                    lsn = self._journal.last_lsn if self._journal is not None else 0
+                if lsn:  # a logged write: answer once its record is durable (group commit)
+                    assert self._journal is not None
+                    outcome = self._journal.wait(lsn)
+                    if outcome is not True:
+                        status, n = Status.SERVER_ERROR, encode_text(resp, outcome)
             L.RESP_FRAME.pack_into(out, 0, seq, status, 0, n, queue_ns, compute_ns, write_ns)
             conn.sendall(out_view[: L.RESP_FRAME.size + n])

@@ -4,6 +4,9 @@
 calls it from SIGTERM/SIGINT); ``start()`` runs the poller in a background thread instead,
 for embedding and tests. On stop it marks the control segment STOPPING, disconnects every
 client and removes its socket.
+
+With ``data_dir`` (kalos.server.durability) it recovers its stores before it reports READY,
+logs every write before acknowledging it, and takes a last snapshot when it stops cleanly.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from threadpoolctl import threadpool_limits
@@ -27,8 +31,10 @@ from kalos.protocol import layout as L
 from kalos.server.channels import Poller
 from kalos.server.config import SidecarConfig
 from kalos.server.dispatch import Dispatcher
+from kalos.server.durability import Durability
 from kalos.server.listener import Listener
 from kalos.stores.memories import MemoryStore
+from kalos.stores.wal import FsyncPolicy
 from kalos.transport.memory import SharedMemory, create
 
 log = logging.getLogger("kalos.server")
@@ -73,6 +79,20 @@ class Sidecar:
         self.dispatcher = Dispatcher(
             self.memories, name=config.name, device=config.device, extra_stats=self._stats
         )
+        self.durability: Durability | None = None
+        handle: Callable[..., tuple[int, int, int, int]] = self.dispatcher.handle
+        if config.data_dir is not None:
+            self.durability = Durability(
+                config.data_dir,
+                self.dispatcher,
+                self.lock,
+                {"memories": self.memories},
+                policy=FsyncPolicy.parse(config.fsync),
+                snapshot_bytes=config.snapshot_bytes,
+                segment_bytes=config.wal_segment_bytes,
+                identity={"dim": config.dim, "metric": config.metric},
+            )
+            handle = self.durability.handle
         self._control_fd = create("kalos-control", L.CONTROL_SIZE)
         self.control = SharedMemory(self._control_fd, L.CONTROL_SIZE)
         L.CTRL_HEADER.pack_into(
@@ -92,11 +112,15 @@ class Sidecar:
         )
         self.poller = Poller(
             self.control,
-            self.dispatcher.handle,
+            handle,
             self.lock,
             spin_us=config.spin_us,
             heartbeat_ms=config.heartbeat_ms,
+            journal=self.durability,
         )
+        if self.durability is not None:
+            self.durability.on_durable = self.poller.wake  # a commit landed: release writes
+        self._handle = handle
         self.listener: Listener | None = None
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
@@ -109,6 +133,7 @@ class Sidecar:
             "uds_connections": listener.uds_connections if listener else 0,
             "connects": listener.connects if listener else 0,
             "refused": listener.refused if listener else 0,
+            **({"durability": self.durability.stats()} if self.durability is not None else {}),
         }
 
     def _open(self) -> None:
@@ -120,11 +145,21 @@ class Sidecar:
             self._control_fd,
             self.epoch,
             self.poller,
-            self.dispatcher.handle,
+            self._handle,
             self.lock,
             self.dispatcher.info,
+            journal=self.durability,
         )
         self.listener.start()
+        if self.durability is not None:
+            try:
+                self.durability.recover()  # clients are held, then refused "starting", meanwhile
+            except BaseException:
+                self.listener.close()
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path)
+                raise
+        self.listener.ready.set()
         _native.store_release(self.control.addr + L.CTRL_STATE, L.STATE_READY)
         log.info(
             "kalos sidecar %r ready at %s (%s, dim %d, %s)",
@@ -169,6 +204,8 @@ class Sidecar:
             self.listener.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+        if self.durability is not None:
+            self.durability.close()  # a last snapshot, then the log closes
         self._stopped.set()
         log.info("kalos sidecar %r stopped", self.config.name)
 

@@ -1,0 +1,389 @@
+"""Durability: the write-ahead log in front of the dispatcher, snapshots, and recovery.
+
+With ``--data-dir DIR`` every request of an op in :data:`~kalos.server.dispatch.WRITE_OPS`
+that succeeded in memory is appended to the write-ahead log (:mod:`kalos.stores.wal`)
+before its response is published: the poller keeps it pending until a group commit made it
+durable, a uds thread waits for that. The in-memory state runs ahead of the log only for
+responses not yet published (a concurrent search may already see such a write; a crash
+loses exactly those, none of them acknowledged). A request that fails validation is never
+logged. The log holds request bodies verbatim, with the request's wall-clock time, so
+recovery replays them through the same :meth:`Dispatcher.handle` (``now_ns`` = the logged
+time) and needs nothing from the stores but determinism.
+
+Layout of ``DIR``::
+
+    LOCK                      flock()ed by the sidecar that owns the directory
+    wal/wal-<LSN>.log         log segments (kalos.stores.wal)
+    snap-<LSN>/               the newest complete snapshot: every store's state through LSN
+        snapshot.db           SQLite: table snapshot_meta, and each store's tables
+        *.npy                 each store's flat arrays (vectors, token ids, ...)
+
+A snapshot is taken on the poller thread between sweeps, with the dispatch lock held, once
+the log grew by ``snapshot_bytes`` since the last one, and at a clean stop. While the lock is
+held nothing is served: that pause is writing every store into ``snap-<LSN>.tmp/`` (page
+cache; for 1M x 128 vectors with payloads, measured in bench/results/recovery-*.json). Then,
+with serving resumed, a background thread fsyncs the files, renames the directory into
+place, and deletes the older snapshot and the log segments it covers. A crash at any point
+leaves either the old snapshot plus the whole log, or the new one plus the log after it.
+
+Recovery (before the sidecar reports ready): restore the newest ``snap-*``, replay the
+log records after its LSN, cut a torn tail, open a fresh segment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import re
+import shutil
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, Protocol
+
+import numpy as np
+
+from kalos.errors import ConfigError, StoreError
+from kalos.protocol.codes import Status
+from kalos.protocol.messages import encode_text
+from kalos.server.dispatch import WRITE_OPS, Dispatcher
+from kalos.stores.wal import DEFAULT_SEGMENT_BYTES, FsyncPolicy, WalError, WriteAheadLog, fsync_dir
+
+log = logging.getLogger("kalos.durability")
+
+SNAPSHOT_FORMAT = 1
+DEFAULT_SNAPSHOT_BYTES = 256 << 20
+_SNAPSHOT_NAME = re.compile(r"^snap-(\d{20})$")
+_REPLAY_OUT_BYTES = 1 << 20
+
+
+class Snapshotting(Protocol):
+    """A store whose whole state a snapshot can write and a recovery read back."""
+
+    def snapshot(self, db: sqlite3.Connection, directory: str) -> None: ...
+
+    def restore(self, db: sqlite3.Connection, directory: str) -> None: ...
+
+
+def snapshot_name(lsn: int) -> str:
+    return f"snap-{lsn:020d}"
+
+
+def list_snapshots(data_dir: str) -> list[tuple[int, str]]:
+    """(LSN, path) of every complete snapshot in ``data_dir``, oldest first."""
+    out = []
+    for name in os.listdir(data_dir):
+        m = _SNAPSHOT_NAME.match(name)
+        if m and os.path.isdir(os.path.join(data_dir, name)):
+            out.append((int(m.group(1)), os.path.join(data_dir, name)))
+    return sorted(out)
+
+
+def _fsync_tree(path: str) -> None:
+    for name in os.listdir(path):
+        fd = os.open(os.path.join(path, name), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fsync_dir(path)
+
+
+class Durability:
+    """Logs a sidecar's writes and recovers its stores (see the module docstring).
+
+    ``handle`` stands in for :meth:`Dispatcher.handle` in the poller and the uds threads
+    (called under the dispatch ``lock``); after it, :attr:`last_lsn` is the LSN of the record
+    the call logged, or 0 when it logged none (a read, or a failed write): the caller then
+    publishes at once. For a record, it asks :meth:`outcome` (poller) or :meth:`wait` (uds)
+    before publishing.
+    """
+
+    def __init__(
+        self,
+        data_dir: str,
+        dispatcher: Dispatcher,
+        lock: threading.Lock,
+        stores: Mapping[str, Snapshotting],
+        *,
+        policy: FsyncPolicy | None = None,
+        snapshot_bytes: int = DEFAULT_SNAPSHOT_BYTES,
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        identity: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.data_dir = os.path.abspath(data_dir)
+        self.dispatcher = dispatcher
+        self.lock = lock
+        self.stores = dict(stores)
+        self.snapshot_bytes = snapshot_bytes
+        # What must match between the sidecar that wrote a snapshot and the one reading it.
+        self.identity = dict(identity or {})
+        self.wal = WriteAheadLog(
+            os.path.join(self.data_dir, "wal"),
+            policy=policy,
+            segment_bytes=segment_bytes,
+        )
+        self.last_lsn = 0
+        self.snapshot_lsn = 0
+        self._snapshot_wal_bytes = 0  # wal.bytes_written when the last snapshot was taken
+        self._finisher: threading.Thread | None = None
+        self._lock_fd = -1
+        self.recovery: dict[str, Any] = {}
+        self.last_snapshot: dict[str, Any] = {}
+        self.refused_writes = 0
+
+    @property
+    def on_durable(self) -> Callable[[], None] | None:
+        return self.wal.on_durable
+
+    @on_durable.setter
+    def on_durable(self, fn: Callable[[], None] | None) -> None:
+        self.wal.on_durable = fn
+
+    # -- serving -------------------------------------------------------------------------------
+
+    def handle(
+        self, op: int, flags: int, body: np.ndarray, out: np.ndarray
+    ) -> tuple[int, int, int, int]:
+        """Dispatcher.handle, logging a successful write (see the class docstring)."""
+        self.last_lsn = 0
+        if op not in WRITE_OPS:
+            return self.dispatcher.handle(op, flags, body, out)
+        wal = self.wal
+        if wal.refusal():
+            wal.retry()
+            refusal = wal.refusal()
+            if refusal:
+                self.refused_writes += 1
+                return Status.SERVER_ERROR, encode_text(out, refusal), 0, 0
+        now = time.time_ns()
+        status, n, compute_ns, write_ns = self.dispatcher.handle(op, flags, body, out, now_ns=now)
+        if status == Status.OK:
+            try:
+                self.last_lsn = wal.append(op, flags, body, now)
+            except WalError as exc:  # closed under us, or a body too large to log
+                return Status.SERVER_ERROR, encode_text(out, str(exc)), compute_ns, write_ns
+        return status, n, compute_ns, write_ns
+
+    def commit(self) -> None:
+        """Starts the group commit of every record appended so far (poller: end of a sweep)."""
+        self.wal.commit()
+
+    def outcome(self, lsn: int) -> Literal[True] | str | None:
+        """True when record ``lsn`` is durable, the failure's message, or None (pending)."""
+        return self.wal.outcome(lsn)
+
+    def sync(self) -> None:
+        """Makes every appended record durable now, whatever the policy (at stop)."""
+        with contextlib.suppress(WalError):
+            self.wal.sync()
+
+    def wait(self, lsn: int) -> Literal[True] | str:
+        """Blocks until record ``lsn`` is durable (True) or failed (its message)."""
+        result = self.wal.wait(lsn)
+        return "the write-ahead log did not answer" if result is None else result
+
+    # -- recovery ------------------------------------------------------------------------------
+
+    def recover(self) -> dict[str, Any]:
+        """Restores the newest snapshot, replays the log after it, opens the log for writes.
+
+        Runs before the sidecar reports ready. Returns (and keeps in :attr:`recovery`) what it
+        did: snapshot LSN, records replayed, seconds per stage.
+        """
+        t0 = time.perf_counter()
+        os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
+        self._take_lock()
+        for name in os.listdir(self.data_dir):
+            if name.startswith("snap-") and name.endswith(".tmp"):
+                shutil.rmtree(os.path.join(self.data_dir, name), ignore_errors=True)
+        snapshots = list_snapshots(self.data_dir)
+        lsn = 0
+        if snapshots:
+            lsn, path = snapshots[-1]
+            self._restore(path, lsn)
+        t1 = time.perf_counter()
+        replayed = failed = 0
+        out = np.zeros(_REPLAY_OUT_BYTES, np.uint8)
+        handle = self.dispatcher.handle
+        for record in self.wal.recover(lsn):
+            status, n, _, _ = handle(record.op, record.flags, record.body, out, record.time_ns)
+            replayed += 1
+            if status != Status.OK:
+                failed += 1
+                log.warning(
+                    "replaying LSN %d (op %d) gave status %d: %s",
+                    record.lsn,
+                    record.op,
+                    status,
+                    bytes(out[:n]).decode(errors="replace"),
+                )
+        t2 = time.perf_counter()
+        self.wal.open()
+        self.snapshot_lsn = lsn
+        # The log already holds this much beyond the snapshot: it counts toward the next one.
+        self._snapshot_wal_bytes = -self.wal.recovered_bytes
+        self.recovery = {
+            "snapshot_lsn": lsn,
+            "records_replayed": replayed,
+            "replay_errors": failed,
+            "last_lsn": self.wal.last_lsn,
+            "restore_s": round(t1 - t0, 3),
+            "replay_s": round(t2 - t1, 3),
+            "total_s": round(time.perf_counter() - t0, 3),
+        }
+        log.info("recovered %s: %s", self.data_dir, json.dumps(self.recovery))
+        return self.recovery
+
+    def _take_lock(self) -> None:
+        fd = os.open(os.path.join(self.data_dir, "LOCK"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConfigError(
+                f"another sidecar is using the data directory {self.data_dir}"
+            ) from None
+        self._lock_fd = fd
+
+    def _restore(self, path: str, lsn: int) -> None:
+        db = sqlite3.connect(os.path.join(path, "snapshot.db"))
+        try:
+            meta = dict(db.execute("SELECT key, value FROM snapshot_meta").fetchall())
+            if int(meta.get("format", -1)) != SNAPSHOT_FORMAT or int(meta["lsn"]) != lsn:
+                raise StoreError(f"{path}: not a snapshot this version can read")
+            theirs = json.loads(meta.get("identity", "{}"))
+            for key, value in self.identity.items():
+                if key in theirs and theirs[key] != value:
+                    raise ConfigError(
+                        f"the data directory {self.data_dir} holds {key}={theirs[key]!r}; "
+                        f"this sidecar is configured with {key}={value!r}"
+                    )
+            for name in json.loads(meta["stores"]):
+                store = self.stores.get(name)
+                if store is None:
+                    raise ConfigError(f"{path} holds a {name!r} store this sidecar lacks")
+                store.restore(db, path)
+        finally:
+            db.close()
+
+    # -- snapshots -----------------------------------------------------------------------------
+
+    def snapshot_due(self) -> bool:
+        """Whether the log grew past ``snapshot_bytes`` since the last snapshot."""
+        return (
+            self.wal.bytes_written - self._snapshot_wal_bytes >= self.snapshot_bytes
+            and (self._finisher is None or not self._finisher.is_alive())
+            and not self.wal.refusal()
+        )
+
+    def snapshot(self, *, background: bool = True) -> dict[str, Any] | None:
+        """Writes every store through the last LSN; the caller must not hold the lock.
+
+        Returns what it did, or None when nothing was logged since the last snapshot or a
+        snapshot is still being finished. ``background``: fsync, rename and delete the
+        covered log segments in a thread (the poller keeps serving meanwhile).
+        """
+        if self._finisher is not None:
+            self._finisher.join()
+            self._finisher = None
+        t0 = time.perf_counter()
+        with self.lock:
+            if self.wal.last_lsn == self.snapshot_lsn:
+                self._snapshot_wal_bytes = self.wal.bytes_written
+                return None
+            try:
+                lsn = self.wal.rotate()
+            except WalError as exc:
+                log.error("no snapshot: %s", exc)
+                return None
+            tmp = os.path.join(self.data_dir, snapshot_name(lsn) + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp, mode=0o700)
+            try:
+                self._write_stores(tmp, lsn)
+            except Exception:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            self._snapshot_wal_bytes = self.wal.bytes_written
+        paused = time.perf_counter() - t0
+        info = {"lsn": lsn, "pause_s": round(paused, 3)}
+        if background:
+            self._finisher = threading.Thread(
+                target=self._finish, args=(tmp, lsn, info, t0), name="kalos-snapshot", daemon=True
+            )
+            self._finisher.start()
+        else:
+            self._finish(tmp, lsn, info, t0)
+        return info
+
+    def _write_stores(self, directory: str, lsn: int) -> None:
+        db = sqlite3.connect(os.path.join(directory, "snapshot.db"), isolation_level=None)
+        try:
+            db.execute("PRAGMA journal_mode=OFF")  # a new file, fsynced before it is used
+            db.execute("PRAGMA synchronous=OFF")
+            db.execute("BEGIN")
+            for store in self.stores.values():
+                store.snapshot(db, directory)
+            meta = {
+                "format": str(SNAPSHOT_FORMAT),
+                "lsn": str(lsn),
+                "created_ns": str(time.time_ns()),
+                "stores": json.dumps(list(self.stores)),
+                "identity": json.dumps(self.identity),
+            }
+            db.execute("CREATE TABLE snapshot_meta (key TEXT PRIMARY KEY, value TEXT)")
+            db.executemany("INSERT INTO snapshot_meta VALUES (?, ?)", meta.items())
+            db.execute("COMMIT")
+        finally:
+            db.close()
+
+    def _finish(self, tmp: str, lsn: int, info: dict[str, Any], t0: float) -> None:
+        try:
+            _fsync_tree(tmp)
+            final = os.path.join(self.data_dir, snapshot_name(lsn))
+            os.rename(tmp, final)
+            fsync_dir(self.data_dir)
+            # The new snapshot is durable: older ones and the log segments it covers can go.
+            for old_lsn, path in list_snapshots(self.data_dir):
+                if old_lsn < lsn:
+                    shutil.rmtree(path, ignore_errors=True)
+            info["segments_deleted"] = self.wal.delete_through(lsn)
+            self.snapshot_lsn = lsn
+            info["total_s"] = round(time.perf_counter() - t0, 3)
+            info["bytes"] = sum(os.path.getsize(os.path.join(final, f)) for f in os.listdir(final))
+            self.last_snapshot = info
+            log.info("snapshot %s", json.dumps(info))
+        except OSError:
+            log.exception("the snapshot through LSN %d failed; the log still covers it", lsn)
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def close(self) -> None:
+        """At a clean stop: a final snapshot (when anything was logged), then the log closes."""
+        try:
+            if not self.wal.refusal():
+                self.snapshot(background=False)
+        except Exception:
+            log.exception("the snapshot at stop failed; the log still covers every write")
+        finally:
+            if self._finisher is not None:
+                self._finisher.join()
+            self.wal.close()
+            if self._lock_fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(self._lock_fd)
+                self._lock_fd = -1
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"data_dir": self.data_dir, **self.wal.stats()}
+        out["snapshot_lsn"] = self.snapshot_lsn
+        out["refused_writes"] = self.refused_writes
+        if self.last_snapshot:
+            out["last_snapshot"] = self.last_snapshot
+        if self.recovery:
+            out["recovery"] = self.recovery
+        return out
