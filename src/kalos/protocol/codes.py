@@ -23,6 +23,19 @@ class Op(enum.IntEnum):
     ADD = 3  # upsert: an existing id is replaced
     REMOVE = 4
     SEARCH = 5
+    # Sessions (context buffers), agent state and scopes: bodies in messages.py.
+    APPEND_TURN = 6
+    CONTEXT = 7
+    SESSIONS = 8  # list, one page
+    TRIM = 9
+    DELETE_SESSION = 10
+    STATE_PUT = 11
+    STATE_GET = 12
+    STATE_DELETE = 13
+    STATE_CAS = 14
+    LOG_EVENT = 15
+    EVENTS = 16
+    FORGET = 17
 
 
 class Status(enum.IntEnum):
@@ -50,6 +63,15 @@ DTYPE_F16 = 1
 
 # SEARCH flags.
 SEARCH_WANT_PAYLOADS = 1
+
+
+class AppendFlag(enum.IntFlag):
+    """APPEND_TURN request flags."""
+
+    PIN_SYSTEM = 1  # the turn becomes the session's pinned system prompt (replacing one)
+    HAS_TOKENS = 2  # the body carries the token ids; without it the sidecar tokenizes
+    SET_ROLLING = 4  # set the session's rolling option to ROLLING (otherwise keep it)
+    ROLLING = 8
 
 
 _STATUS_ERRORS: dict[int, type[errors.KalosError]] = {

@@ -17,11 +17,13 @@ Every section of a body starts 8-byte aligned. Layouts (little-endian):
   ``ids i64[nq*k]``, and with payloads ``kinds u8[nq*k]``, ``offsets u64[nq*k+1]``, ``blob``.
 - ADD response: ``u64 added, u64 replaced``.
 - STATS response, and the message of an error response: UTF-8 text (JSON for STATS).
+- Sessions, agent state, event logs and FORGET (ops 6-17): the last section of this module.
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -386,3 +388,490 @@ def encode_text(buf: np.ndarray, text: str) -> int:
 
 def decode_text(buf: np.ndarray, end: int) -> str:
     return buf[:end].tobytes().decode(errors="replace")
+
+
+# -- sessions, state, event logs, forget -----------------------------------------------------
+#
+# A session op names its session in the session field of its scope block; the tenant and
+# user fields are the session's owner (APPEND_TURN, LOG_EVENT) or a filter it must match
+# (the others). State ops use the scope block as the key's namespace. docs/PROTOCOL.md draws
+# every body below.
+
+NO_LIMIT = 0xFFFFFFFF  # max_turns / limit: none
+_CTX_HEAD = struct.Struct("<IIQIIII")  # max_tokens, max_turns, 0, then a scope block head
+_APPEND_HEAD = struct.Struct("<IIIId")  # n_tokens, role_len, text_len, 0, ttl_s (NaN: keep)
+_KEY_HEAD = struct.Struct("<II")  # key_len, 0
+_VALUE_HEAD = struct.Struct("<IIQQ")  # key_len, 0, value_len, expected_version
+_EVENT_HEAD = struct.Struct("<IIQ")  # kind_len, data_kind, data_len
+_EVENTS_HEAD = struct.Struct("<QII")  # since, limit, 0
+_U64X4 = struct.Struct("<QQQQ")
+
+
+def _bytes_at(buf: np.ndarray, off: int, n: int, end: int) -> bytes:
+    _need(off + n, end)
+    return buf[off : off + n].tobytes()
+
+
+def _text_at(buf: np.ndarray, off: int, n: int, end: int, what: str) -> str:
+    try:
+        return _bytes_at(buf, off, n, end).decode()
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(f"{what} is not valid UTF-8") from exc
+
+
+def _put_bytes(buf: np.ndarray, off: int, data: bytes) -> int:
+    """Writes ``data`` at ``off``; returns the 8-aligned offset after it."""
+    if data:
+        buf[off : off + len(data)] = np.frombuffer(data, np.uint8)
+    return off + _pad8(len(data))
+
+
+def session_of(scope: Scope) -> str:
+    """The session id a session op's scope block names (InvalidRequest when empty)."""
+    if not scope.session:
+        raise InvalidRequest("a session id is required")
+    return scope.session
+
+
+def owner_of(scope: Scope) -> Scope | None:
+    """The tenant and user of a scope block, or None when it gives neither."""
+    if scope.tenant is None and scope.user is None:
+        return None
+    return Scope(scope.tenant, scope.user, None)
+
+
+# APPEND_TURN: u32 n_tokens, u32 role_len, u32 text_len, u32 0, f64 ttl_s (NaN: keep),
+# scope block (owner; session = the session id), i32 tokens[n_tokens] padded to 8 (only with
+# AppendFlag.HAS_TOKENS), role bytes then text bytes. Response: u64 turns, u64 tokens.
+
+
+def encode_append_turn(
+    buf: np.ndarray,
+    sb: ScopeBytes,
+    role: bytes,
+    text: bytes,
+    tokens: np.ndarray | None,
+    ttl_s: float | None,
+) -> int:
+    n = 0 if tokens is None else len(tokens)
+    size = 24 + sb.nbytes + _pad8(n * 4) + len(role) + len(text)
+    _fit(size, len(buf), "append_turn request")
+    ttl = float("nan") if ttl_s is None else float(ttl_s)
+    _APPEND_HEAD.pack_into(buf, 0, n, len(role), len(text), 0, ttl)
+    off = write_scope(buf, 24, sb)
+    if tokens is not None and n:
+        buf[off : off + n * 4].view(np.int32)[:] = tokens
+    off += _pad8(n * 4)
+    if role or text:
+        buf[off : off + len(role) + len(text)] = np.frombuffer(role + text, np.uint8)
+    return size
+
+
+class AppendTurnRequest(NamedTuple):
+    scope: Scope  # session = the session id
+    role: str
+    text: str
+    tokens: np.ndarray | None  # int32 view into the request, or None: tokenize
+    ttl_s: float | None  # None: keep
+
+
+def decode_append_turn(buf: np.ndarray, end: int, flags: int) -> AppendTurnRequest:
+    _need(24, end)
+    n, role_len, text_len, _, ttl = _APPEND_HEAD.unpack_from(buf, 0)
+    scope, off = read_scope(buf, 24, end)
+    session_of(scope)
+    tokens = None
+    if flags & codes.AppendFlag.HAS_TOKENS:
+        tokens = _array(buf, off, np.dtype(np.int32), n, end)
+    elif n:
+        raise InvalidRequest("token ids sent without the HAS_TOKENS flag")
+    off += _pad8(n * 4)
+    role = _text_at(buf, off, role_len, end, "the role")
+    text = _text_at(buf, off + role_len, text_len, end, "the turn's text")
+    return AppendTurnRequest(scope, role, text, tokens, None if ttl != ttl else ttl)
+
+
+# CONTEXT: u32 max_tokens, u32 max_turns (NO_LIMIT: none), u64 0, scope block (filter;
+# session = the session id). Response: u32 n_turns, u32 n_tokens, u32 has_system, u32 0,
+# i32 tokens[n_tokens] padded to 8, u32 meta[n_turns][4] (role bytes, text bytes, tokens, 0),
+# then each turn's role and text bytes. The system prompt, when included, is turn 0.
+
+
+def encode_context(
+    buf: np.ndarray, session: bytes, max_tokens: int, max_turns: int, sb: ScopeBytes
+) -> int:
+    """Writes a CONTEXT body with one struct call; returns its length."""
+    a, b, c = len(sb.tenant), len(sb.user), len(session)
+    size = 32 + _pad8(a + b + c)
+    _fit(size, len(buf), "context request")
+    _context_struct(a + b + c).pack_into(
+        buf, 0, max_tokens, max_turns, 0, a, b, c, 0, sb.tenant + sb.user + session
+    )
+    return size
+
+
+_CONTEXT_STRUCTS: dict[int, struct.Struct] = {}
+
+
+def _context_struct(n: int) -> struct.Struct:
+    s = _CONTEXT_STRUCTS.get(n)
+    if s is None:
+        s = _CONTEXT_STRUCTS[n] = struct.Struct(f"<IIQIIII{_pad8(n)}s")
+    return s
+
+
+class ContextRequest(NamedTuple):
+    session: str
+    max_tokens: int
+    max_turns: int | None
+    scope: Scope | None  # tenant/user filter, or None
+
+
+def decode_context(buf: np.ndarray, end: int) -> ContextRequest:
+    _need(32, end)
+    max_tokens, max_turns, _, a, b, c, _ = _CTX_HEAD.unpack_from(buf, 0)
+    raw = _bytes_at(buf, 32, a + b + c, end)
+    try:
+        session = raw[a + b :].decode()
+        scope = Scope(raw[:a].decode() or None, raw[a : a + b].decode() or None) if a or b else None
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest("scope is not valid UTF-8") from exc
+    if not session:
+        raise InvalidRequest("a session id is required")
+    return ContextRequest(session, max_tokens, None if max_turns == NO_LIMIT else max_turns, scope)
+
+
+def encode_context_response(
+    buf: np.ndarray,
+    tokens: np.ndarray,
+    meta: np.ndarray,
+    text: np.ndarray,
+    system: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
+) -> int:
+    """Writes a CONTEXT response: the system prompt's (tokens, meta, text) first, when given,
+    then the turns' tokens int32 [n], meta uint32 [m, 4] and text uint8, one copy each."""
+    nt, nm, nx = len(tokens), len(meta), len(text)
+    st = sm = sx = 0
+    if system is not None:
+        st, sm, sx = len(system[0]), 1, len(system[2])
+    tok_end = 16 + 4 * (st + nt)
+    meta_at = _pad8(tok_end)
+    text_at = meta_at + 16 * (sm + nm)
+    size = text_at + sx + nx
+    _fit(size, len(buf), "context response")
+    _HEAD4.pack_into(buf, 0, sm + nm, st + nt, sm, 0)
+    if system is not None:
+        buf[16 : 16 + 4 * st] = system[0].view(np.uint8)
+        buf[meta_at : meta_at + 16] = system[1].view(np.uint8).reshape(-1)
+        buf[text_at : text_at + sx] = system[2]
+    buf[16 + 4 * st : tok_end] = tokens.view(np.uint8)
+    buf[meta_at + 16 * sm : text_at] = meta.view(np.uint8).reshape(-1)
+    buf[text_at + sx : size] = text
+    return size
+
+
+class ContextResponse(NamedTuple):
+    tokens: np.ndarray  # int32 [n_tokens] view into the response
+    meta: bytes  # u32 [n_turns][4], copied
+    text: bytes  # the turns' role and text bytes, copied
+    has_system: bool
+
+
+def decode_context_response(buf: np.ndarray, end: int) -> ContextResponse:
+    _need(16, end)
+    nm, nt, has_system, _ = _HEAD4.unpack_from(buf, 0)
+    tok_end = 16 + 4 * nt
+    meta_at = _pad8(tok_end)
+    text_at = meta_at + 16 * nm
+    _need(text_at, end)
+    return ContextResponse(
+        buf[16:tok_end].view(np.int32),
+        buf[meta_at:text_at].tobytes(),
+        buf[text_at:end].tobytes(),
+        bool(has_system),
+    )
+
+
+def split_turns(meta: bytes, text: bytes) -> list[tuple[str, str]]:
+    """(role, text) of each turn of a CONTEXT response."""
+    out = []
+    x = 0
+    try:
+        for role_len, text_len, _n, _ in struct.iter_unpack("<IIII", meta):
+            out.append(
+                (
+                    text[x : x + role_len].decode(),
+                    text[x + role_len : x + role_len + text_len].decode(),
+                )
+            )
+            x += role_len + text_len
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest("a turn's text is not valid UTF-8") from exc
+    return out
+
+
+def turn_token_counts(meta: bytes) -> np.ndarray:
+    """Token ids of each turn of a CONTEXT response, int64 [n_turns]."""
+    return np.frombuffer(meta, np.uint32).reshape(-1, 4)[:, 2].astype(np.int64)
+
+
+# Session ops with a scope block and a small header: SESSIONS (u32 limit, u32 after_len, scope
+# block as filter, after bytes padded to 8; response UTF-8 JSON {"sessions": [...], "more"}),
+# TRIM (u32 keep_turns, u32 0, scope block; response u64 dropped, u64 turns left),
+# DELETE_SESSION and FORGET (scope block only; responses u64 1, u64 0 and u64 memories,
+# u64 sessions, u64 state values, u64 event logs).
+
+
+def encode_scoped(buf: np.ndarray, a: int, b: int, sb: ScopeBytes, tail: bytes = b"") -> int:
+    """``u32 a, u32 b``, a scope block, then ``tail`` padded to 8."""
+    size = 8 + sb.nbytes + _pad8(len(tail))
+    _fit(size, len(buf), "request")
+    _HEAD2.pack_into(buf, 0, a, b)
+    off = write_scope(buf, 8, sb)
+    _put_bytes(buf, off, tail)
+    return size
+
+
+def decode_scoped(buf: np.ndarray, end: int) -> tuple[int, int, Scope, int]:
+    """(a, b, scope, offset after the scope block) of an :func:`encode_scoped` body."""
+    _need(8, end)
+    a, b = _HEAD2.unpack_from(buf, 0)
+    scope, off = read_scope(buf, 8, end)
+    return a, b, scope, off
+
+
+def decode_sessions(buf: np.ndarray, end: int) -> tuple[Scope, int | None, str | None]:
+    """SESSIONS → (filter, limit or None, after or None)."""
+    limit, after_len, scope, off = decode_scoped(buf, end)
+    after = _text_at(buf, off, after_len, end, "the cursor") if after_len else None
+    return scope, None if limit == NO_LIMIT else limit, after
+
+
+def encode_forgotten(buf: np.ndarray, counts: tuple[int, int, int, int]) -> int:
+    _U64X4.pack_into(buf, 0, *counts)
+    return 32
+
+
+def decode_forgotten(buf: np.ndarray, end: int) -> tuple[int, int, int, int]:
+    _need(32, end)
+    return _U64X4.unpack_from(buf, 0)
+
+
+# STATE_PUT and STATE_CAS: u32 key_len, u32 0, u64 value_len, u64 expected_version (CAS; 0:
+# must not exist), scope block (namespace), key bytes padded to 8, value bytes. Response:
+# u64 version, u64 0. STATE_GET and STATE_DELETE: u32 key_len, u32 0, scope block, key bytes.
+# Responses: GET u64 version, u64 value_len, value bytes; DELETE u64 existed, u64 0.
+
+
+def encode_state_value(
+    buf: np.ndarray, sb: ScopeBytes, key: bytes, value: bytes, expected_version: int = 0
+) -> int:
+    size = 24 + sb.nbytes + _pad8(len(key)) + len(value)
+    _fit(size, len(buf), "state value")
+    _VALUE_HEAD.pack_into(buf, 0, len(key), 0, len(value), expected_version)
+    off = _put_bytes(buf, write_scope(buf, 24, sb), key)
+    _put_bytes(buf, off, value)
+    return size
+
+
+class StateValueRequest(NamedTuple):
+    scope: Scope
+    key: str
+    value: bytes
+    expected_version: int
+
+
+def decode_state_value(buf: np.ndarray, end: int) -> StateValueRequest:
+    _need(24, end)
+    key_len, _, value_len, expected = _VALUE_HEAD.unpack_from(buf, 0)
+    scope, off = read_scope(buf, 24, end)
+    key = _text_at(buf, off, key_len, end, "the key")
+    value = _bytes_at(buf, off + _pad8(key_len), value_len, end)
+    return StateValueRequest(scope, key, value, expected)
+
+
+def encode_state_key(buf: np.ndarray, sb: ScopeBytes, key: bytes) -> int:
+    return encode_scoped(buf, len(key), 0, sb, key)
+
+
+def decode_state_key(buf: np.ndarray, end: int) -> tuple[Scope, str]:
+    key_len, _, scope, off = decode_scoped(buf, end)
+    return scope, _text_at(buf, off, key_len, end, "the key")
+
+
+def encode_state_get_response(buf: np.ndarray, version: int, value: bytes) -> int:
+    size = 16 + len(value)
+    _fit(size, len(buf), "state value")
+    _U64X2.pack_into(buf, 0, version, len(value))
+    _put_bytes(buf, 16, value)
+    return size
+
+
+def decode_state_get_response(buf: np.ndarray, end: int) -> tuple[int, bytes]:
+    _need(16, end)
+    version, n = _U64X2.unpack_from(buf, 0)
+    return int(version), _bytes_at(buf, 16, n, end)
+
+
+# LOG_EVENT: u32 kind_len, u32 data_kind (PAYLOAD_TEXT or PAYLOAD_BYTES), u64 data_len, scope
+# block (owner; session = the session id), kind bytes padded to 8, data bytes. Response:
+# u64 seq, u64 0. EVENTS: u64 since, u32 limit (NO_LIMIT: none), u32 0, scope block (filter;
+# session = the session id). Response: u32 n, u32 more, u64 0, i64 seq[n], f64 time[n],
+# u32 kind_len[n] padded to 8, u8 data_kind[n] padded to 8, u64 data_len[n], then each
+# event's kind bytes and data bytes. ``more``: later events did not fit; ask again from the
+# last seq.
+
+
+def encode_log_event(buf: np.ndarray, sb: ScopeBytes, kind: bytes, data: str | bytes) -> int:
+    data_kind = codes.PAYLOAD_TEXT if isinstance(data, str) else codes.PAYLOAD_BYTES
+    raw = data.encode() if isinstance(data, str) else bytes(data)
+    size = 16 + sb.nbytes + _pad8(len(kind)) + len(raw)
+    _fit(size, len(buf), "event")
+    _EVENT_HEAD.pack_into(buf, 0, len(kind), data_kind, len(raw))
+    off = _put_bytes(buf, write_scope(buf, 16, sb), kind)
+    _put_bytes(buf, off, raw)
+    return size
+
+
+class LogEventRequest(NamedTuple):
+    scope: Scope  # owner; session = the session id
+    kind: str
+    data: str | bytes
+
+
+def decode_log_event(buf: np.ndarray, end: int) -> LogEventRequest:
+    _need(16, end)
+    kind_len, data_kind, data_len = _EVENT_HEAD.unpack_from(buf, 0)
+    scope, off = read_scope(buf, 16, end)
+    session_of(scope)
+    kind = _text_at(buf, off, kind_len, end, "the event kind")
+    off += _pad8(kind_len)
+    data: str | bytes
+    if data_kind == codes.PAYLOAD_TEXT:
+        data = _text_at(buf, off, data_len, end, "the event data")
+    elif data_kind == codes.PAYLOAD_BYTES:
+        data = _bytes_at(buf, off, data_len, end)
+    else:
+        raise InvalidRequest(f"unknown event data kind {data_kind}")
+    return LogEventRequest(scope, kind, data)
+
+
+def encode_events_request(buf: np.ndarray, sb: ScopeBytes, since: int, limit: int) -> int:
+    size = 16 + sb.nbytes
+    _fit(size, len(buf), "events request")
+    _EVENTS_HEAD.pack_into(buf, 0, since, limit, 0)
+    write_scope(buf, 16, sb)
+    return size
+
+
+def decode_events_request(buf: np.ndarray, end: int) -> tuple[Scope, int, int | None]:
+    """EVENTS → (scope, since, limit or None)."""
+    _need(16, end)
+    since, limit, _ = _EVENTS_HEAD.unpack_from(buf, 0)
+    scope, _off = read_scope(buf, 16, end)
+    session_of(scope)
+    return scope, since, None if limit == NO_LIMIT else limit
+
+
+def _events_size(n: int, blob: int) -> int:
+    return 16 + 16 * n + _pad8(4 * n) + _pad8(n) + 8 * n + blob
+
+
+def encode_events_response(
+    buf: np.ndarray, events: Sequence[tuple[int, float, str, str | bytes]], more: bool
+) -> int:
+    """Writes as many of ``events`` as fit; ``more`` is set when some did not (or ``more``)."""
+    kinds = [e[2].encode() for e in events]
+    datas = [e[3].encode() if isinstance(e[3], str) else e[3] for e in events]
+    n, blob = 0, 0
+    for k, d in zip(kinds, datas, strict=True):
+        if _events_size(n + 1, blob + len(k) + len(d)) > len(buf):
+            break
+        n, blob = n + 1, blob + len(k) + len(d)
+    if n == 0 and events:
+        raise PayloadTooLarge("one event does not fit the channel arena")
+    more = more or n < len(events)
+    _HEAD4.pack_into(buf, 0, n, int(more), 0, 0)
+    off = 16
+    buf[off : off + 8 * n].view(np.int64)[:] = [e[0] for e in events[:n]]
+    off += 8 * n
+    buf[off : off + 8 * n].view(np.float64)[:] = [e[1] for e in events[:n]]
+    off += 8 * n
+    buf[off : off + 4 * n].view(np.uint32)[:] = [len(k) for k in kinds[:n]]
+    off += _pad8(4 * n)
+    buf[off : off + n] = [
+        codes.PAYLOAD_TEXT if isinstance(e[3], str) else codes.PAYLOAD_BYTES for e in events[:n]
+    ]
+    off += _pad8(n)
+    buf[off : off + 8 * n].view(np.uint64)[:] = [len(d) for d in datas[:n]]
+    off += 8 * n
+    _put_bytes(buf, off, b"".join(k + d for k, d in zip(kinds[:n], datas[:n], strict=True)))
+    return off + blob
+
+
+def decode_events_response(
+    buf: np.ndarray, end: int
+) -> tuple[list[tuple[int, float, str, str | bytes]], bool]:
+    """(events as (seq, time, kind, data), more)."""
+    _need(16, end)
+    n, more, _, _ = _HEAD4.unpack_from(buf, 0)
+    off = 16
+    seqs = _array(buf, off, np.dtype(np.int64), n, end).tolist()
+    off += 8 * n
+    times = _array(buf, off, np.dtype(np.float64), n, end).tolist()
+    off += 8 * n
+    kind_lens = _array(buf, off, np.dtype(np.uint32), n, end).tolist()
+    off += _pad8(4 * n)
+    data_kinds = _array(buf, off, np.dtype(np.uint8), n, end).tolist()
+    off += _pad8(n)
+    data_lens = _array(buf, off, np.dtype(np.uint64), n, end).tolist()
+    off += 8 * n
+    blob = _bytes_at(buf, off, sum(kind_lens) + sum(data_lens), end)
+    out: list[tuple[int, float, str, str | bytes]] = []
+    x = 0
+    try:
+        for i in range(n):
+            kind = blob[x : x + kind_lens[i]].decode()
+            x += kind_lens[i]
+            raw = blob[x : x + data_lens[i]]
+            x += data_lens[i]
+            out.append(
+                (
+                    seqs[i],
+                    times[i],
+                    kind,
+                    raw.decode() if data_kinds[i] == codes.PAYLOAD_TEXT else raw,
+                )
+            )
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest("an event is not valid UTF-8") from exc
+    return out, bool(more)
+
+
+class SessionInfo(NamedTuple):
+    """One session, as SESSIONS lists it (JSON objects with these keys)."""
+
+    session: str
+    tenant: str | None
+    user: str | None
+    turns: int
+    tokens: int  # token ids of the turns, without the system prompt
+    system: bool  # whether a system prompt is pinned
+    ttl_s: float | None
+    expires_at: float | None  # seconds since the epoch; None: never
+
+
+class Event(NamedTuple):
+    """One event of a session's log."""
+
+    seq: int  # 1, 2, 3, ... within the session
+    time: float  # seconds since the epoch, when the sidecar logged it
+    kind: str
+    data: str | bytes  # as it was logged
+
+
+class StateValue(NamedTuple):
+    """A state key's value and its version (versions only grow, store-wide)."""
+
+    version: int
+    value: bytes

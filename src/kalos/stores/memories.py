@@ -14,6 +14,7 @@ import numpy as np
 
 from kalos.errors import InvalidRequest
 from kalos.index import Index
+from kalos.index.base import RowTable, scope_mask
 from kalos.protocol import codes
 from kalos.protocol.messages import Scope
 
@@ -64,6 +65,9 @@ class MemoryStore:
         self.scopes = ScopeCodes()
         self._payloads: dict[int, tuple[int, bytes]] = {}
         self._payload_bytes = 0
+        # The scope codes of every item again, apart from the index (whose backends differ):
+        # forget(scope) finds the ids of a user or session here, with one vectorised mask.
+        self._scoped = RowTable()
 
     def __len__(self) -> int:
         return len(self.index)
@@ -98,6 +102,8 @@ class MemoryStore:
         before = len(self.index)
         self.index.add(vectors, ids, scopes)
         added = len(self.index) - before
+        unique = np.unique(ids)  # one scope for the whole batch: duplicates agree
+        self._scoped.upsert(unique, np.broadcast_to(scopes[0], (len(unique), 3)))
         payloads = self._payloads
         bounds = offsets.tolist()
         data = blob.tobytes() if bounds[-1] else b""
@@ -113,6 +119,7 @@ class MemoryStore:
 
     def remove(self, ids: np.ndarray) -> int:
         removed = self.index.remove(ids)
+        self._scoped.remove(ids)
         for item in ids.tolist():
             old = self._payloads.pop(item, None)
             if old is not None:
@@ -133,6 +140,21 @@ class MemoryStore:
         none = (codes.PAYLOAD_NONE, b"")
         get = self._payloads.get
         return [get(item, none) for item in ids.reshape(-1).tolist()]
+
+    def ids_in_scope(self, scope: Scope) -> np.ndarray:
+        """ids [m] int64 of every item whose scope matches ``scope`` (each field given equals
+        the item's), in no particular order; every id when ``scope`` gives no field."""
+        codes = self.scopes.filter(scope)
+        table = self._scoped
+        if codes is None:
+            return table.ids.copy()
+        if NO_MATCH in codes:
+            return np.empty(0, np.int64)
+        return table.ids[scope_mask(table.scope_columns, codes)]
+
+    def forget(self, scope: Scope) -> int:
+        """Removes every item matching ``scope`` (vectors, payloads); returns how many."""
+        return self.remove(self.ids_in_scope(scope))
 
     # -- snapshots ---------------------------------------------------------------------------
 
@@ -173,6 +195,8 @@ class MemoryStore:
         if len(ids):
             self.index.add(vectors, ids, scopes)
         del vectors
+        self._scoped = RowTable()
+        self._scoped.upsert(ids, scopes)
         self.scopes.load(db.execute("SELECT field, name, code FROM memory_scopes").fetchall())
         self._payloads = {
             item: (kind, value)
