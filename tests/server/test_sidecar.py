@@ -5,6 +5,7 @@ Every sidecar here is a real ``python -m kalos serve`` process in a private runt
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -179,7 +180,9 @@ def test_stats_counters_move(sidecar: Start) -> None:
     assert s1["connects"] == 2 and s1["channels"] == 1
     assert s1["items"] == 2 and s1["payload_bytes"] == 2
     moved = {op: s1["requests"][op] - s0["requests"][op] for op in s1["requests"]}
-    assert moved == {"ping": 1, "stats": 1, "add": 1, "remove": 1, "search": 3}
+    assert {op: n for op, n in moved.items() if n} == {
+        "ping": 1, "stats": 1, "add": 1, "remove": 1, "search": 3,
+    }  # fmt: skip
     assert s1["errors"] == s0["errors"] + 1
     assert s1["epoch"] == s0["epoch"] and s1["pid"] == s0["pid"]
     assert s1["uptime_s"] >= s0["uptime_s"]
@@ -349,7 +352,9 @@ def _hello_as(uid: int, path: str) -> dict:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.settimeout(TIMEOUT)
             s.connect(path)
-            send_message(s, _hello())
+            # a refused peer is answered (and hung up on) before its hello is read
+            with contextlib.suppress(BrokenPipeError):
+                send_message(s, _hello())
             reply, _ = recv_message(s)
             fields = {k: reply.get(k) for k in ("ok", "error", "message")}
             os.write(w, json.dumps(fields).encode())
