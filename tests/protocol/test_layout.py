@@ -7,6 +7,7 @@ them must show up as a failing test and a deliberate edit of this file (and a ne
 
 from __future__ import annotations
 
+import enum
 import itertools
 import struct
 
@@ -287,12 +288,22 @@ def test_protocol_version_and_limits() -> None:
 
 def test_op_codes() -> None:
     assert {op.name: int(op) for op in codes.Op} == {
-        "PING": 1,
-        "STATS": 2,
-        "ADD": 3,
-        "REMOVE": 4,
-        "SEARCH": 5,
-    }
+        "PING": 1, "STATS": 2, "ADD": 3, "REMOVE": 4, "SEARCH": 5,
+        "APPEND_TURN": 6, "CONTEXT": 7, "SESSIONS": 8, "TRIM": 9, "DELETE_SESSION": 10,
+        "STATE_PUT": 11, "STATE_GET": 12, "STATE_DELETE": 13, "STATE_CAS": 14,
+        "LOG_EVENT": 15, "EVENTS": 16, "FORGET": 17,
+    }  # fmt: skip
+
+
+def test_append_flags() -> None:
+    assert {f.name: int(f) for f in codes.AppendFlag} == {
+        "PIN_SYSTEM": 1, "HAS_TOKENS": 2, "SET_ROLLING": 4, "ROLLING": 8,
+    }  # fmt: skip
+
+
+def test_every_code_enum_is_pinned() -> None:
+    enums = {n for n, v in vars(codes).items() if isinstance(v, type) and issubclass(v, enum.Enum)}
+    assert enums == {"Op", "Status", "AppendFlag"}
 
 
 def test_status_codes() -> None:
