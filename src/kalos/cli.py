@@ -13,6 +13,7 @@ from kalos.errors import KalosError
 
 def _serve(args: argparse.Namespace) -> int:
     from kalos.server import Sidecar, SidecarConfig
+    from kalos.stores.limits import Limits
 
     config = SidecarConfig(
         name=args.name,
@@ -28,6 +29,13 @@ def _serve(args: argparse.Namespace) -> int:
         data_dir=args.data_dir,
         fsync=args.fsync,
         snapshot_bytes=max(1, int(args.snapshot_mb * (1 << 20))),
+        tokenizer=args.tokenizer,
+        limits=Limits(
+            max_turn_tokens=args.max_turn_tokens,
+            max_turn_bytes=args.max_turn_bytes,
+            max_session_turns=args.max_session_turns,
+            max_state_bytes=args.max_state_bytes,
+        ),
     )
     sidecar = Sidecar(config)
 
@@ -108,6 +116,25 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=256.0,
         help="take a snapshot once the log grew this many MiB since the last one",
+    )
+    serve.add_argument(
+        "--tokenizer",
+        default=None,
+        help="a Hugging Face tokenizer.json: tokenizes turns appended without token ids "
+        "(needs pip install 'kalos[text]')",
+    )
+    serve.add_argument("--max-turn-tokens", type=int, default=32_768, help="token ids per turn")
+    serve.add_argument(
+        "--max-turn-bytes", type=int, default=256 << 10, help="UTF-8 bytes of a turn's role+text"
+    )
+    serve.add_argument(
+        "--max-session-turns",
+        type=int,
+        default=10_000,
+        help="turns per session; a full session refuses appends unless it is rolling",
+    )
+    serve.add_argument(
+        "--max-state-bytes", type=int, default=256 << 10, help="a state value or event's data"
     )
     serve.set_defaults(func=_serve)
 

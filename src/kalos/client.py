@@ -22,7 +22,7 @@ from kalos.protocol import codes
 from kalos.protocol import layout as L
 from kalos.protocol import messages as M
 from kalos.protocol.codes import Op, error_for_status
-from kalos.protocol.messages import Scope
+from kalos.protocol.messages import Event, Scope, SessionInfo, StateValue
 from kalos.transport import Transport, open_transport
 from kalos.transport.base import Response
 
@@ -52,6 +52,79 @@ class SearchResult(NamedTuple):
     scores: np.ndarray
     payloads: list[Payload] | None
     timings: Timings
+
+
+class Turns(Sequence[tuple[str, str]]):
+    """The (role, text) of each turn of a :class:`Context`, oldest first.
+
+    Owned by the caller (a copy, not a view). Decoded on first use, so a caller that only
+    wants the token ids pays nothing per turn.
+    """
+
+    __slots__ = ("_list", "_meta", "_text")
+
+    def __init__(self, meta: bytes, text: bytes) -> None:
+        self._meta = meta  # u32 [n][4]: role bytes, text bytes, tokens, 0
+        self._text = text
+        self._list: list[tuple[str, str]] | None = None
+
+    def _decoded(self) -> list[tuple[str, str]]:
+        if self._list is None:
+            self._list = M.split_turns(self._meta, self._text)
+        return self._list
+
+    def __len__(self) -> int:
+        return len(self._meta) // 16
+
+    def __getitem__(self, i):
+        return self._decoded()[i]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (Turns, list, tuple)):
+            return self._decoded() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Turns({self._decoded()!r})"
+
+    def token_counts(self) -> np.ndarray:
+        """How many of the context's token ids each turn has, int64 [n] (they sum to
+        ``len(context.tokens)``)."""
+        return M.turn_token_counts(self._meta)
+
+
+class Context(NamedTuple):
+    """A session's newest turns that fit a token budget, ready for the model.
+
+    ``tokens``: int32 [n], every included turn's token ids concatenated, oldest first, the
+    pinned system prompt first when it fits. A view into the channel, valid until this
+    thread's next call on the client, unless the call asked for ``copy=True``.
+    ``turns``: their (role, text), owned. ``system``: whether the system prompt is
+    ``turns[0]``.
+    """
+
+    tokens: np.ndarray
+    turns: Turns
+    timings: Timings
+    system: bool
+
+
+class TurnAdded(NamedTuple):
+    """What :meth:`Client.append_turn` did: turns now in the session, token ids of the turn."""
+
+    turns: int
+    tokens: int
+
+
+class Forgotten(NamedTuple):
+    """What :meth:`Client.forget` deleted."""
+
+    memories: int
+    sessions: int
+    state: int  # state values
+    logs: int  # event logs
 
 
 def _timings(resp: Response, start_ns: int) -> Timings:
@@ -273,6 +346,273 @@ class Client:
             removed += M.decode_counts(resp.body, len(resp.body))[0]
         return removed
 
+    # -- sessions ----------------------------------------------------------------------------
+
+    def append_turn(
+        self,
+        session: str,
+        role: str,
+        text: str,
+        tokens: np.ndarray | Sequence[int] | None = None,
+        *,
+        scope: Scope | None = None,
+        pin: bool = False,
+        ttl_s: float | None = None,
+        rolling: bool | None = None,
+        timeout: float | None = None,
+    ) -> TurnAdded:
+        """Appends a turn to ``session`` (created by its first append).
+
+        ``tokens``: the turn's token ids (int32 range); None: the sidecar tokenizes ``text``
+        with its ``--tokenizer`` (InvalidRequest when it has none). ``scope``: the session's
+        tenant and user, fixed at creation (Conflict when a later append names others).
+        ``pin``: the turn becomes the pinned system prompt (replacing any), always first in
+        a context when it fits. ``ttl_s``: the session expires this many seconds after its
+        last append (0: never; None: keep). ``rolling``: when the session is full
+        (``--max-session-turns``) its oldest turns give way, instead of InvalidRequest
+        (None: keep the setting; new sessions are not rolling). Over ``--max-turn-tokens``
+        or ``--max-turn-bytes``: InvalidRequest.
+        """
+        start = _monotonic_ns()
+        sb = session_scope_bytes(session, scope)
+        if not isinstance(role, str) or not isinstance(text, str):
+            raise InvalidRequest("role and text must be str")
+        ids = None if tokens is None else _token_ids(tokens)
+        if ttl_s is not None and not (ttl_s >= 0 and ttl_s < float("inf")):
+            raise InvalidRequest(f"ttl_s must be a finite number >= 0, got {ttl_s}")
+        flags = 0
+        if ids is not None:
+            flags |= codes.AppendFlag.HAS_TOKENS
+        if pin:
+            flags |= codes.AppendFlag.PIN_SYSTEM
+        if rolling is not None:
+            flags |= codes.AppendFlag.SET_ROLLING | (codes.AppendFlag.ROLLING if rolling else 0)
+        t = self._channel()
+        n = M.encode_append_turn(t.request_buffer, sb, role.encode(), text.encode(), ids, ttl_s)
+        resp = self._call(t, Op.APPEND_TURN, int(flags), n, timeout, start)
+        return TurnAdded(*M.decode_counts(resp.body, len(resp.body)))
+
+    def context(
+        self,
+        session: str,
+        max_tokens: int,
+        max_turns: int | None = None,
+        *,
+        scope: Scope | None = None,
+        copy: bool = False,
+        timeout: float | None = None,
+    ) -> Context:
+        """The newest turns of ``session`` that fit ``max_tokens`` token ids, oldest first.
+
+        The pinned system prompt comes first when it fits (its tokens count against
+        ``max_tokens``); ``max_turns`` caps the other turns. The window is a contiguous
+        suffix: a turn that does not fit ends it. ``tokens`` is an int32 view into the channel
+        (valid until this thread's next call) unless ``copy=True``. ``scope``: a tenant/user
+        filter; a session outside it is NotFound, as is an unknown or expired one.
+        """
+        start = _monotonic_ns()
+        t = self._channel()
+        if type(session) is not str or not session:
+            raise InvalidRequest("a session id must be a non-empty str")
+        if not 0 <= max_tokens < M.NO_LIMIT:
+            raise InvalidRequest(f"max_tokens must be between 0 and {M.NO_LIMIT - 1}")
+        if max_turns is None:
+            max_turns = M.NO_LIMIT
+        elif not 0 <= max_turns < M.NO_LIMIT:
+            raise InvalidRequest(f"max_turns must be between 0 and {M.NO_LIMIT - 1}, or None")
+        sb = M.EMPTY_SCOPE if scope is None else scope_bytes(scope)
+        n = M.encode_context(t.request_buffer, session.encode(), max_tokens, max_turns, sb)
+        resp = self._call(t, Op.CONTEXT, 0, n, timeout, start)
+        r = M.decode_context_response(resp.body, len(resp.body))
+        tokens = r.tokens.copy() if copy else r.tokens
+        return Context(tokens, Turns(r.meta, r.text), self._local.timings, r.has_system)
+
+    def sessions(
+        self, scope: Scope | None = None, *, timeout: float | None = None
+    ) -> list[SessionInfo]:
+        """Live sessions matching ``scope`` (each field given must equal the session's), by
+        session id. Fetched in pages as large as the channel arena holds."""
+        sb = scope_bytes(scope)
+        out: list[SessionInfo] = []
+        after = b""
+        while True:
+            start = _monotonic_ns()
+            t = self._channel()
+            n = M.encode_scoped(t.request_buffer, M.NO_LIMIT, len(after), sb, after)
+            resp = self._call(t, Op.SESSIONS, 0, n, timeout, start)
+            page = json.loads(M.decode_text(resp.body, len(resp.body)))
+            out += [SessionInfo(**info) for info in page["sessions"]]
+            if not page["more"] or not page["sessions"]:
+                return out
+            after = out[-1].session.encode()
+
+    def trim(
+        self,
+        session: str,
+        keep_turns: int,
+        *,
+        scope: Scope | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        """Keeps the newest ``keep_turns`` turns of ``session`` (and its system prompt);
+        returns how many were dropped. NotFound for an unknown or expired session."""
+        start = _monotonic_ns()
+        sb = session_scope_bytes(session, scope)
+        if not 0 <= keep_turns < M.NO_LIMIT:
+            raise InvalidRequest(f"keep_turns must be between 0 and {M.NO_LIMIT - 1}")
+        t = self._channel()
+        n = M.encode_scoped(t.request_buffer, keep_turns, 0, sb)
+        resp = self._call(t, Op.TRIM, 0, n, timeout, start)
+        return M.decode_counts(resp.body, len(resp.body))[0]
+
+    def delete_session(
+        self, session: str, *, scope: Scope | None = None, timeout: float | None = None
+    ) -> None:
+        """Deletes ``session``: its turns and system prompt (not its event log: ``forget``
+        with ``Scope(session=...)`` removes everything). NotFound when there is none."""
+        start = _monotonic_ns()
+        sb = session_scope_bytes(session, scope)
+        t = self._channel()
+        n = M.encode_scoped(t.request_buffer, 0, 0, sb)
+        self._call(t, Op.DELETE_SESSION, 0, n, timeout, start)
+
+    # -- agent state ---------------------------------------------------------------------------
+
+    def put(
+        self,
+        key: str,
+        value: bytes | str,
+        *,
+        scope: Scope | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        """Sets state ``key`` in ``scope`` (an exact namespace: tenant, user, session) to
+        ``value`` (bytes; a str is stored as UTF-8); returns its new version (> 0).
+        Over ``--max-state-bytes``: InvalidRequest."""
+        return self._state_value(Op.STATE_PUT, key, value, 0, scope, timeout)
+
+    def cas(
+        self,
+        key: str,
+        expected_version: int,
+        value: bytes | str,
+        *,
+        scope: Scope | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        """Sets ``key`` only if its version is ``expected_version`` (0: only if it does not
+        exist); returns the new version. Conflict otherwise, naming the current version."""
+        if not 0 <= expected_version < 1 << 63:
+            raise InvalidRequest(f"expected_version must be >= 0, got {expected_version}")
+        return self._state_value(Op.STATE_CAS, key, value, expected_version, scope, timeout)
+
+    def _state_value(
+        self,
+        op: int,
+        key: str,
+        value: bytes | str,
+        expected: int,
+        scope: Scope | None,
+        timeout: float | None,
+    ) -> int:
+        start = _monotonic_ns()
+        raw = _value_bytes(value)
+        sb = scope_bytes(scope)
+        t = self._channel()
+        n = M.encode_state_value(t.request_buffer, sb, _key_bytes(key), raw, expected)
+        resp = self._call(t, op, 0, n, timeout, start)
+        return M.decode_counts(resp.body, len(resp.body))[0]
+
+    def get(
+        self, key: str, *, scope: Scope | None = None, timeout: float | None = None
+    ) -> StateValue:
+        """(version, value bytes, owned) of state ``key`` in ``scope``; NotFound if absent."""
+        start = _monotonic_ns()
+        sb = scope_bytes(scope)
+        t = self._channel()
+        n = M.encode_state_key(t.request_buffer, sb, _key_bytes(key))
+        resp = self._call(t, Op.STATE_GET, 0, n, timeout, start)
+        return StateValue(*M.decode_state_get_response(resp.body, len(resp.body)))
+
+    def delete(self, key: str, *, scope: Scope | None = None, timeout: float | None = None) -> bool:
+        """Deletes state ``key`` in ``scope``; returns whether it existed."""
+        start = _monotonic_ns()
+        sb = scope_bytes(scope)
+        t = self._channel()
+        n = M.encode_state_key(t.request_buffer, sb, _key_bytes(key))
+        resp = self._call(t, Op.STATE_DELETE, 0, n, timeout, start)
+        return bool(M.decode_counts(resp.body, len(resp.body))[0])
+
+    def log(
+        self,
+        session: str,
+        kind: str,
+        data: bytes | str,
+        *,
+        scope: Scope | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        """Appends an event (``kind``, e.g. "tool_call"; ``data`` str or bytes, returned as
+        given) to ``session``'s append-only log; returns its seq (1 for the first). The
+        sidecar stamps its time. The log's owner is ``scope`` or, if that gives no tenant or
+        user, the owner of the session of the same id."""
+        start = _monotonic_ns()
+        sb = session_scope_bytes(session, scope)
+        if not isinstance(kind, str):
+            raise InvalidRequest("an event kind must be a str")
+        if not isinstance(data, (str, bytes, bytearray, memoryview)):
+            raise InvalidRequest(f"event data must be str or bytes, not {type(data).__name__}")
+        t = self._channel()
+        n = M.encode_log_event(t.request_buffer, sb, kind.encode(), data)
+        resp = self._call(t, Op.LOG_EVENT, 0, n, timeout, start)
+        return M.decode_counts(resp.body, len(resp.body))[0]
+
+    def events(
+        self,
+        session: str,
+        since: int = 0,
+        *,
+        limit: int | None = None,
+        scope: Scope | None = None,
+        timeout: float | None = None,
+    ) -> list[Event]:
+        """Events of ``session`` with seq > ``since``, oldest first, at most ``limit``; owned
+        objects. A session without a log (or outside ``scope``) has none: []. Fetched in
+        pages as large as the channel arena holds."""
+        sb = session_scope_bytes(session, scope)
+        if not 0 <= since < 1 << 63:
+            raise InvalidRequest(f"since must be >= 0, got {since}")
+        if limit is not None and not 0 <= limit < M.NO_LIMIT:
+            raise InvalidRequest(f"limit must be between 0 and {M.NO_LIMIT - 1}, or None")
+        out: list[Event] = []
+        while limit is None or len(out) < limit:
+            start = _monotonic_ns()
+            t = self._channel()
+            want = M.NO_LIMIT if limit is None else limit - len(out)
+            n = M.encode_events_request(t.request_buffer, sb, since, want)
+            resp = self._call(t, Op.EVENTS, 0, n, timeout, start)
+            page, more = M.decode_events_response(resp.body, len(resp.body))
+            out += [Event(*e) for e in page]
+            if not more or not page:
+                break
+            since = page[-1][0]
+        return out
+
+    # -- scopes ------------------------------------------------------------------------------
+
+    def forget(self, scope: Scope, *, timeout: float | None = None) -> Forgotten:
+        """Deletes everything of ``scope`` (each field given must match; at least one):
+        memories (from the index too), sessions, state values and event logs. Returns the
+        counts."""
+        if not isinstance(scope, Scope) or not any(scope):
+            raise InvalidRequest("forget needs a scope with a tenant, a user or a session")
+        start = _monotonic_ns()
+        sb = scope_bytes(scope)
+        t = self._channel()
+        n = M.encode_scoped(t.request_buffer, 0, 0, sb)
+        resp = self._call(t, Op.FORGET, 0, n, timeout, start)
+        return Forgotten(*M.decode_forgotten(resp.body, len(resp.body)))
+
     def close(self) -> None:
         """Closes every thread's channel. Idempotent; later calls raise ClosedError."""
         self._closed = True
@@ -294,6 +634,51 @@ def scope_bytes(scope: Scope | None) -> M.ScopeBytes:
     if not isinstance(scope, Scope):
         raise InvalidRequest("scope must be a kalos.Scope(tenant, user, session)")
     return M.encode_scope_fields(scope)
+
+
+def session_scope_bytes(session: str, scope: Scope | None) -> M.ScopeBytes:
+    """The scope block of a session op: ``scope``'s tenant and user, the session id."""
+    if not isinstance(session, str) or not session:
+        raise InvalidRequest("a session id must be a non-empty str")
+    if scope is None:
+        return M.ScopeBytes(b"", b"", session.encode())
+    if not isinstance(scope, Scope):
+        raise InvalidRequest("scope must be a kalos.Scope(tenant, user, session)")
+    if scope.session is not None and scope.session != session:
+        raise InvalidRequest(f"the scope names session {scope.session!r}, not {session!r}")
+    return M.ScopeBytes(
+        (scope.tenant or "").encode(), (scope.user or "").encode(), session.encode()
+    )
+
+
+_INT32 = np.iinfo(np.int32)
+
+
+def _token_ids(tokens: np.ndarray | Sequence[int]) -> np.ndarray:
+    ids = np.asarray(tokens)
+    if ids.size == 0:
+        return np.empty(0, np.int32)
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise InvalidRequest(f"token ids must be integers [n], got {ids.dtype} {ids.shape}")
+    if ids.dtype != np.int32:
+        if int(ids.min()) < _INT32.min or int(ids.max()) > _INT32.max:
+            raise InvalidRequest("token ids must fit in int32")
+        ids = ids.astype(np.int32)
+    return np.ascontiguousarray(ids)
+
+
+def _key_bytes(key: str) -> bytes:
+    if not isinstance(key, str) or not key:
+        raise InvalidRequest("a state key must be a non-empty str")
+    return key.encode()
+
+
+def _value_bytes(value: bytes | str) -> bytes:
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    raise InvalidRequest(f"a state value must be bytes or str, not {type(value).__name__}")
 
 
 def _encode_payloads(

@@ -56,23 +56,26 @@ def reference(
 
 def window_turns(w: TurnWindow) -> tuple[list[tuple[str, str]], np.ndarray, bool]:
     """A TurnWindow as (role, text) pairs and tokens, the way the wire lays them out."""
-    parts_meta = [w.meta]
-    parts_text = [w.text]
-    parts_tok = [w.tokens]
+    meta_b, text_b, tok_b = bytes(w.meta), bytes(w.text), bytes(w.tokens)
     if w.system is not None:
-        parts_meta.insert(0, w.system.meta)
-        parts_text.insert(0, w.system.text)
-        parts_tok.insert(0, w.system.tokens)
-    meta = np.concatenate(parts_meta)
-    raw = np.concatenate(parts_text).tobytes()
+        assert len(w.system.tokens) == 4 * w.system.n_tokens
+        meta_b, text_b, tok_b = (
+            w.system.meta + meta_b,
+            w.system.text + text_b,
+            w.system.tokens + tok_b,
+        )
+    meta = np.frombuffer(meta_b, np.uint32).reshape(-1, 4)
     out, x = [], 0
     for role_len, text_len, _n, _ in meta.tolist():
         out.append(
-            (raw[x : x + role_len].decode(), raw[x + role_len : x + role_len + text_len].decode())
+            (
+                text_b[x : x + role_len].decode(),
+                text_b[x + role_len : x + role_len + text_len].decode(),
+            )
         )
         x += role_len + text_len
-    assert x == len(raw)
-    tokens = np.concatenate(parts_tok)
+    assert x == len(text_b)
+    tokens = np.frombuffer(tok_b, np.int32)
     assert int(meta[:, 2].sum()) == len(tokens)
     return out, tokens, w.system is not None
 
@@ -112,13 +115,15 @@ def test_newest_turns_that_fit_oldest_first(store: SessionStore) -> None:
     for budget in range(0, 22):
         check_context(store, "s", turns, None, budget)
     w = store.context("s", 7, now=T0)  # 4 + 3 fit, 7 more does not
-    np.testing.assert_array_equal(w.tokens, np.concatenate([turn_ids(2, 3), turn_ids(3, 4)]))
+    np.testing.assert_array_equal(
+        window_turns(w)[1], np.concatenate([turn_ids(2, 3), turn_ids(3, 4)])
+    )
 
 
 def test_a_turn_that_does_not_fit_ends_the_window(store: SessionStore) -> None:
     turns = fill(store, "s", [1, 1, 50, 2])
     check_context(store, "s", turns, None, 10)
-    assert len(store.context("s", 10, now=T0).meta) == 1  # the 1-token turns are not reached
+    assert len(window_turns(store.context("s", 10, now=T0))[0]) == 1  # 1-token turns not reached
 
 
 def test_max_turns(store: SessionStore) -> None:
@@ -245,7 +250,7 @@ def test_forget_by_scope(store: SessionStore) -> None:
 def test_ttl_expires_after_the_last_append(store: SessionStore) -> None:
     store.append_turn("s", "user", "a", ids(1), ttl_s=10, now=T0)
     store.append_turn("s", "user", "b", ids(2), now=T0 + 5)  # refreshes: expires at T0 + 15
-    assert len(store.context("s", 10, now=T0 + 14.9).tokens) == 2
+    assert len(window_turns(store.context("s", 10, now=T0 + 14.9))[1]) == 2
     with pytest.raises(NotFound):
         store.context("s", 10, now=T0 + 15)
     assert store.sessions(None, now=T0 + 15) == []
@@ -348,7 +353,7 @@ def test_tokens_are_copied_in(store: SessionStore) -> None:
     mine = ids(1, 2, 3)
     store.append_turn("s", "user", "a", mine, now=T0)
     mine[:] = 0
-    assert store.context("s", 10, now=T0).tokens.tolist() == [1, 2, 3]
+    assert window_turns(store.context("s", 10, now=T0))[1].tolist() == [1, 2, 3]
 
 
 # -- tokenizer ------------------------------------------------------------------------------
@@ -362,7 +367,7 @@ def test_no_tokenizer_and_no_tokens_is_a_clear_error(store: SessionStore) -> Non
 def test_the_configured_tokenizer_makes_the_ids() -> None:
     store = SessionStore(tokenizer=lambda text: np.array([len(w) for w in text.split()], np.int32))
     assert store.append_turn("s", "user", "a bb ccc", None, now=T0) == (1, 3)
-    assert store.context("s", 10, now=T0).tokens.tolist() == [1, 2, 3]
+    assert window_turns(store.context("s", 10, now=T0))[1].tolist() == [1, 2, 3]
 
 
 # -- property: any sequence of appends, pins, trims, against the reference -------------------

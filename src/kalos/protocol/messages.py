@@ -530,7 +530,8 @@ class ContextRequest(NamedTuple):
 def decode_context(buf: np.ndarray, end: int) -> ContextRequest:
     _need(32, end)
     max_tokens, max_turns, _, a, b, c, _ = _CTX_HEAD.unpack_from(buf, 0)
-    raw = _bytes_at(buf, 32, a + b + c, end)
+    _need(32 + a + b + c, end)
+    raw = buf[32 : 32 + a + b + c].tobytes()
     try:
         session = raw[a + b :].decode()
         scope = Scope(raw[:a].decode() or None, raw[a : a + b].decode() or None) if a or b else None
@@ -543,30 +544,35 @@ def decode_context(buf: np.ndarray, end: int) -> ContextRequest:
 
 def encode_context_response(
     buf: np.ndarray,
-    tokens: np.ndarray,
-    meta: np.ndarray,
-    text: np.ndarray,
-    system: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
+    tokens: memoryview | bytes,
+    meta: memoryview | bytes,
+    text: memoryview | bytes,
+    system: tuple[int, bytes, bytes, bytes] | None,
 ) -> int:
-    """Writes a CONTEXT response: the system prompt's (tokens, meta, text) first, when given,
-    then the turns' tokens int32 [n], meta uint32 [m, 4] and text uint8, one copy each."""
-    nt, nm, nx = len(tokens), len(meta), len(text)
+    """Writes a CONTEXT response, one copy per piece: the system prompt's (n_tokens, tokens,
+    meta, text) first, when given, then the turns' tokens (int32 as bytes), meta (uint32
+    [m, 4] as bytes) and text."""
+    nt, nm, nx = len(tokens), len(meta), len(text)  # bytes
     st = sm = sx = 0
     if system is not None:
-        st, sm, sx = len(system[0]), 1, len(system[2])
-    tok_end = 16 + 4 * (st + nt)
-    meta_at = _pad8(tok_end)
-    text_at = meta_at + 16 * (sm + nm)
+        st, sm, sx = len(system[1]), 16, len(system[3])
+    tok_end = 16 + st + nt
+    meta_at = (tok_end + 7) & ~7
+    text_at = meta_at + sm + nm
     size = text_at + sx + nx
-    _fit(size, len(buf), "context response")
-    _HEAD4.pack_into(buf, 0, sm + nm, st + nt, sm, 0)
+    if size > len(buf):
+        _fit(size, len(buf), "context response")
+    _HEAD4.pack_into(buf, 0, (sm + nm) >> 4, (st + nt) >> 2, sm >> 4, 0)
+    mv = memoryview(buf)
     if system is not None:
-        buf[16 : 16 + 4 * st] = system[0].view(np.uint8)
-        buf[meta_at : meta_at + 16] = system[1].view(np.uint8).reshape(-1)
-        buf[text_at : text_at + sx] = system[2]
-    buf[16 + 4 * st : tok_end] = tokens.view(np.uint8)
-    buf[meta_at + 16 * sm : text_at] = meta.view(np.uint8).reshape(-1)
-    buf[text_at + sx : size] = text
+        mv[16 : 16 + st] = system[1]
+        mv[meta_at : meta_at + 16] = system[2]
+        mv[text_at : text_at + sx] = system[3]
+    mv[16 + st : tok_end] = tokens
+    if meta_at != tok_end:
+        mv[tok_end:meta_at] = b"\0\0\0\0"  # padding: never leave an older response's bytes
+    mv[meta_at + sm : text_at] = meta
+    mv[text_at + sx : size] = text
     return size
 
 
@@ -581,13 +587,14 @@ def decode_context_response(buf: np.ndarray, end: int) -> ContextResponse:
     _need(16, end)
     nm, nt, has_system, _ = _HEAD4.unpack_from(buf, 0)
     tok_end = 16 + 4 * nt
-    meta_at = _pad8(tok_end)
+    meta_at = (tok_end + 7) & ~7
     text_at = meta_at + 16 * nm
     _need(text_at, end)
+    mv = memoryview(buf)
     return ContextResponse(
-        buf[16:tok_end].view(np.int32),
-        buf[meta_at:text_at].tobytes(),
-        buf[text_at:end].tobytes(),
+        np.frombuffer(buf, np.int32, nt, 16),
+        bytes(mv[meta_at:text_at]),
+        bytes(mv[text_at:end]),
         bool(has_system),
     )
 

@@ -9,6 +9,7 @@ from kalos.errors import ConfigError
 from kalos.paths import check_name
 from kalos.protocol import codes
 from kalos.protocol import layout as L
+from kalos.stores.limits import Limits
 from kalos.stores.wal import FsyncPolicy
 
 
@@ -38,6 +39,9 @@ class SidecarConfig:
     fsync: str = "always"  # always | interval:MS | off
     snapshot_bytes: int = 256 << 20  # snapshot once the log grew this much since the last
     wal_segment_bytes: int = 64 << 20
+    # Sessions and state: a tokenizer.json for turns sent without token ids, and size limits.
+    tokenizer: str | None = None
+    limits: Limits = dataclasses.field(default_factory=Limits)
 
     def __post_init__(self) -> None:
         check_name(self.name)

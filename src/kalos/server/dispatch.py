@@ -30,6 +30,8 @@ from kalos.protocol import codes
 from kalos.protocol import messages as M
 from kalos.protocol.codes import Op, Status
 from kalos.stores.memories import MemoryStore
+from kalos.stores.sessions import SessionStore
+from kalos.stores.state import StateStore
 
 log = logging.getLogger("kalos.server")
 
@@ -47,7 +49,24 @@ _ERROR_STATUS: tuple[tuple[type[KalosError], Status], ...] = (
 # Ops that change a store. With durability on, each successful one is logged before its
 # response is published and replayed at recovery (kalos.server.durability): such an op must
 # be deterministic given its request body and the request time (``Dispatcher.now_ns``).
-WRITE_OPS: frozenset[int] = frozenset({Op.ADD, Op.REMOVE})
+WRITE_OPS: frozenset[int] = frozenset(
+    {
+        Op.ADD,
+        Op.REMOVE,
+        Op.APPEND_TURN,
+        Op.TRIM,
+        Op.DELETE_SESSION,
+        Op.STATE_PUT,
+        Op.STATE_DELETE,
+        Op.STATE_CAS,
+        Op.LOG_EVENT,
+        Op.FORGET,
+    }
+)
+
+_PIN_SYSTEM = int(codes.AppendFlag.PIN_SYSTEM)
+_SET_ROLLING = int(codes.AppendFlag.SET_ROLLING)
+_ROLLING = int(codes.AppendFlag.ROLLING)
 
 
 def status_for(exc: KalosError) -> Status:
@@ -67,8 +86,12 @@ class Dispatcher:
         name: str = "inproc",
         device: str = "cpu",
         extra_stats: Callable[[], dict[str, Any]] | None = None,
+        sessions: SessionStore | None = None,
+        state: StateStore | None = None,
     ) -> None:
         self.memories = memories
+        self.sessions = sessions if sessions is not None else SessionStore()
+        self.state = state if state is not None else StateStore()
         self.name = name
         self.device = device
         self.metric = memories.index.metric
@@ -83,6 +106,18 @@ class Dispatcher:
             Op.ADD: self._add,
             Op.REMOVE: self._remove,
             Op.SEARCH: self._search,
+            Op.APPEND_TURN: self._append_turn,
+            Op.CONTEXT: self._context,
+            Op.SESSIONS: self._sessions,
+            Op.TRIM: self._trim,
+            Op.DELETE_SESSION: self._delete_session,
+            Op.STATE_PUT: self._state_put,
+            Op.STATE_GET: self._state_get,
+            Op.STATE_DELETE: self._state_delete,
+            Op.STATE_CAS: self._state_cas,
+            Op.LOG_EVENT: self._log_event,
+            Op.EVENTS: self._events,
+            Op.FORGET: self._forget,
         }
 
     def info(self) -> dict[str, Any]:
@@ -134,6 +169,8 @@ class Dispatcher:
     def _stats(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
         stats: dict[str, Any] = dict(self.info())
         stats.update(self.memories.stats())
+        stats.update(self.sessions.stats())
+        stats.update(self.state.stats())
         stats.update(
             pid=os.getpid(),
             uptime_s=round(time.time() - self.started, 3),
@@ -165,3 +202,110 @@ class Dispatcher:
         payloads = self.memories.payloads(ids) if flags & codes.SEARCH_WANT_PAYLOADS else None
         n = M.encode_search_response(out, scores, ids, payloads)
         return n, _monotonic_ns() - t
+
+    # -- sessions, state, event logs, forget -------------------------------------------------
+    # Time-dependent ops read the request's time from self.now_ns (seconds: now_ns * 1e-9).
+
+    def _append_turn(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
+        req = M.decode_append_turn(body, len(body), flags)
+        turns, tokens = self.sessions.append_turn(
+            M.session_of(req.scope),
+            req.role,
+            req.text,
+            req.tokens,
+            now=self.now_ns * 1e-9,
+            owner=req.scope,
+            pin=bool(flags & _PIN_SYSTEM),
+            ttl_s=req.ttl_s,
+            rolling=bool(flags & _ROLLING) if flags & _SET_ROLLING else None,
+        )
+        return M.encode_counts(out, turns, tokens), 0
+
+    def _context(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
+        req = M.decode_context(body, len(body))
+        w = self.sessions.context(
+            req.session, req.max_tokens, req.max_turns, now=self.now_ns * 1e-9, scope=req.scope
+        )
+        t = _monotonic_ns()
+        n = M.encode_context_response(out, w.tokens, w.meta, w.text, w.system)
+        return n, _monotonic_ns() - t
+
+    def _sessions(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
+        scope, limit, after = M.decode_sessions(body, len(body))
+        infos = self.sessions.sessions(
+            scope,
+            now=self.now_ns * 1e-9,
+            after=after,
+            limit=None if limit is None else limit + 1,
+        )
+        more = limit is not None and len(infos) > limit
+        if limit is not None:
+            infos = infos[:limit]
+        t = _monotonic_ns()
+        while True:  # as many as fit the arena; the client asks again after the last one
+            text = json.dumps({"sessions": [i._asdict() for i in infos], "more": more})
+            if len(text.encode()) <= len(out) or not infos:
+                break
+            infos, more = infos[: len(infos) // 2], True
+        n = M.encode_text(out, text)
+        return n, _monotonic_ns() - t
+
+    def _trim(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
+        keep, _, scope, _ = M.decode_scoped(body, len(body))
+        dropped, left = self.sessions.trim(
+            M.session_of(scope), keep, now=self.now_ns * 1e-9, scope=M.owner_of(scope)
+        )
+        return M.encode_counts(out, dropped, left), 0
+
+    def _delete_session(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
+        _, _, scope, _ = M.decode_scoped(body, len(body))
+        self.sessions.delete(M.session_of(scope), now=self.now_ns * 1e-9, scope=M.owner_of(scope))
+        return M.encode_counts(out, 1), 0
+
+    def _state_put(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
+        req = M.decode_state_value(body, len(body))
+        return M.encode_counts(out, self.state.put(req.scope, req.key, req.value)), 0
+
+    def _state_cas(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
+        req = M.decode_state_value(body, len(body))
+        version = self.state.cas(req.scope, req.key, req.expected_version, req.value)
+        return M.encode_counts(out, version), 0
+
+    def _state_get(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
+        scope, key = M.decode_state_key(body, len(body))
+        got = self.state.get(scope, key)
+        return M.encode_state_get_response(out, got.version, got.value), 0
+
+    def _state_delete(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
+        scope, key = M.decode_state_key(body, len(body))
+        return M.encode_counts(out, int(self.state.delete(scope, key))), 0
+
+    def _log_event(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
+        req = M.decode_log_event(body, len(body))
+        session = M.session_of(req.scope)
+        now = self.now_ns * 1e-9
+        # A log without an owner of its own takes the owner of the session of the same id.
+        owner = M.owner_of(req.scope) or self.sessions.owner(session, now)
+        seq = self.state.log(session, req.kind, req.data, now=now, owner=owner)
+        return M.encode_counts(out, seq), 0
+
+    def _events(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
+        scope, since, limit = M.decode_events_request(body, len(body))
+        session = M.session_of(scope)
+        cap = max(len(out) // 64, 1)  # an event takes >= 40 bytes: fetch no more than fit
+        events = self.state.events(
+            session, since, cap if limit is None else min(limit, cap), scope=M.owner_of(scope)
+        )
+        more = bool(events) and events[-1].seq < self.state.log_length(session)
+        t = _monotonic_ns()
+        n = M.encode_events_response(out, events, more)
+        return n, _monotonic_ns() - t
+
+    def _forget(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
+        _, _, scope, _ = M.decode_scoped(body, len(body))
+        if not any(scope):
+            raise InvalidRequest("forget needs a scope: a tenant, a user or a session")
+        memories = self.memories.forget(scope)
+        sessions = self.sessions.forget(scope)
+        values, logs = self.state.forget(scope)
+        return M.encode_forgotten(out, (memories, sessions, values, logs)), 0
