@@ -477,4 +477,8 @@ def test_client_side_argument_errors(client: kalos.Client) -> None:
         client.add(v, [1, 2], payloads=["ok", 3])  # type: ignore[list-item]
     with pytest.raises(InvalidRequest):
         client.search(np.ones((2, 2, DIM)), k=1)
+    for k in (2.5, "3", None):  # not struct.error from deep inside the encoder
+        with pytest.raises(InvalidRequest, match="k must be"):
+            client.search(np.ones(DIM), k=k)  # type: ignore[arg-type]
+    assert client.search(np.ones(DIM), k=np.int64(2)).ids.shape == (2,)
     assert client.stats()["items"] == 0

@@ -263,8 +263,8 @@ class Client:
             )
         if q.dtype != np.float16 and q.dtype != np.float32:
             q = q.astype(np.float32)
-        if not 1 <= k <= codes.MAX_K:
-            raise InvalidRequest(f"k must be between 1 and {codes.MAX_K}, got {k}")
+        if not isinstance(k, (int, np.integer)) or not 1 <= k <= codes.MAX_K:
+            raise InvalidRequest(f"k must be an integer between 1 and {codes.MAX_K}, got {k!r}")
         sb = scope_bytes(scope)
         n = M.encode_search(t.request_buffer, np.ascontiguousarray(q), k, sb)
         flags = codes.SEARCH_WANT_PAYLOADS if payloads else 0
