@@ -13,6 +13,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 
 import kalos
-from conftest import DIM, TIMEOUT
+from conftest import DIM, TIMEOUT, stop_process
 from kalos import _native
 from kalos.errors import ConnectError, SidecarGone
 from kalos.protocol import layout as L
@@ -67,6 +68,40 @@ def test_signal_stops_it_cleanly(sidecar: Start, sig: int) -> None:
             client.ping()
     shm.close()
     uds.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "uds"])
+def test_a_call_in_flight_at_stop_completes_or_raises_sidecar_gone(
+    sidecar: Start, transport: str
+) -> None:
+    sc = sidecar()
+    client = sc.connect(transport=transport, timeout=TIMEOUT)
+    client.add(np.ones(DIM), 1)
+    outcome: list[object] = []
+    ready, go = threading.Event(), threading.Event()
+
+    def call() -> None:
+        client.ping()  # this thread's channel exists before the sidecar stops
+        ready.set()
+        go.wait()
+        try:
+            outcome.append(client.search(np.ones(DIM), k=1, copy=True).ids.tolist())
+        except Exception as exc:
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=call)
+    waiter.start()
+    ready.wait(TIMEOUT)
+    stop_process(sc.process.pid)
+    go.set()
+    time.sleep(0.3)  # the request is published (or sent) and waits
+    os.kill(sc.process.pid, signal.SIGTERM)
+    os.kill(sc.process.pid, signal.SIGCONT)
+    waiter.join(TIMEOUT / 2)
+    assert not waiter.is_alive(), "the call hung on a stopping sidecar"
+    assert outcome == [[1]] or isinstance(outcome[0], SidecarGone), outcome
+    assert sc.process.wait(TIMEOUT) == 0
+    client.close()
 
 
 def test_stopping_marks_the_control_segment(sidecar: Start) -> None:
@@ -221,6 +256,19 @@ def test_control_segment_and_channel_header(sidecar: Start) -> None:
             "heartbeats",
         )
         assert 0 < _native.load_acquire(ctrl.addr + L.CTRL_HEARTBEAT_NS) <= time.monotonic_ns()
+
+
+@pytest.mark.parametrize(
+    "asked, given",
+    [(1000, 65536), (65536, 65536), (70000, 73728), (1 << 20, 1 << 20), (1 << 40, 64 << 20)],
+)
+def test_arena_size_is_clamped_and_page_rounded(sidecar: Start, asked: int, given: int) -> None:
+    sc = sidecar()
+    for transport in ("shm", "uds"):
+        with sc.connect(transport=transport, arena_bytes=asked, timeout=TIMEOUT) as client:
+            assert client.info["arena_bytes"] == given
+            assert len(client._channel().request_buffer) == given
+            client.ping()
 
 
 def test_every_start_has_a_new_epoch(sidecar: Start) -> None:
