@@ -423,9 +423,10 @@ class Client:
         sb = M.EMPTY_SCOPE if scope is None else scope_bytes(scope)
         n = M.encode_context(t.request_buffer, session.encode(), max_tokens, max_turns, sb)
         resp = self._call(t, Op.CONTEXT, 0, n, timeout, start)
-        r = M.decode_context_response(resp.body, len(resp.body))
-        tokens = r.tokens.copy() if copy else r.tokens
-        return Context(tokens, Turns(r.meta, r.text), self._local.timings, r.has_system)
+        tokens, meta, text, system = M.decode_context_response(resp.body, len(resp.body))
+        if copy:
+            tokens = tokens.copy()
+        return Context(tokens, Turns(meta, text), self._local.timings, system)
 
     def sessions(
         self, scope: Scope | None = None, *, timeout: float | None = None

@@ -90,10 +90,10 @@ def test_context_response_golden_layout() -> None:
         + b"Sabux"
     )  # fmt: skip
     assert buf[:n].tobytes() == expected
-    r = M.decode_context_response(buf, n)
-    assert r.tokens.tolist() == [7, 1, 2] and r.has_system
-    assert M.split_turns(r.meta, r.text) == [("S", "ab"), ("u", "x")]
-    assert M.turn_token_counts(r.meta).tolist() == [1, 2]
+    tokens, meta, text, has_system = M.decode_context_response(buf, n)
+    assert tokens.tolist() == [7, 1, 2] and has_system
+    assert M.split_turns(meta, text) == [("S", "ab"), ("u", "x")]
+    assert M.turn_token_counts(meta).tolist() == [1, 2]
 
 
 # -- round trips ------------------------------------------------------------------------------
@@ -158,7 +158,7 @@ def test_context_request_round_trip(session, tenant, user, max_tokens, max_turns
     assert n % 8 == 0
     req = M.decode_context(buf[:n], n)
     scope = Scope(tenant or None, user or None) if (tenant or user) else None
-    assert req == M.ContextRequest(session, max_tokens, max_turns, scope)
+    assert req == (session, max_tokens, max_turns, scope)
 
 
 def test_state_round_trips() -> None:

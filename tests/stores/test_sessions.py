@@ -56,14 +56,11 @@ def reference(
 
 def window_turns(w: TurnWindow) -> tuple[list[tuple[str, str]], np.ndarray, bool]:
     """A TurnWindow as (role, text) pairs and tokens, the way the wire lays them out."""
-    meta_b, text_b, tok_b = bytes(w.meta), bytes(w.text), bytes(w.tokens)
-    if w.system is not None:
-        assert len(w.system.tokens) == 4 * w.system.n_tokens
-        meta_b, text_b, tok_b = (
-            w.system.meta + meta_b,
-            w.system.text + text_b,
-            w.system.tokens + tok_b,
-        )
+    tokens_mv, meta_mv, text_mv, system = w
+    meta_b, text_b, tok_b = bytes(meta_mv), bytes(text_mv), bytes(tokens_mv)
+    if system is not None:
+        assert len(system.tokens) == 4 * system.n_tokens
+        meta_b, text_b, tok_b = system.meta + meta_b, system.text + text_b, system.tokens + tok_b
     meta = np.frombuffer(meta_b, np.uint32).reshape(-1, 4)
     out, x = [], 0
     for role_len, text_len, _n, _ in meta.tolist():
@@ -77,7 +74,7 @@ def window_turns(w: TurnWindow) -> tuple[list[tuple[str, str]], np.ndarray, bool
     assert x == len(text_b)
     tokens = np.frombuffer(tok_b, np.int32)
     assert int(meta[:, 2].sum()) == len(tokens)
-    return out, tokens, w.system is not None
+    return out, tokens, system is not None
 
 
 def check_context(
@@ -139,9 +136,9 @@ def test_system_prompt_first_when_it_fits_and_counted(store: SessionStore) -> No
     for budget in range(0, 14):
         check_context(store, "s", turns, system, budget)
     w = store.context("s", 5, now=T0)  # 3 system + not 4: the system prompt alone
-    assert w.system is not None and len(w.tokens) == 0
+    assert w[3] is not None and len(w[0]) == 0
     w = store.context("s", 2, now=T0)  # the system prompt does not fit: turns alone
-    assert w.system is None and len(w.tokens) == 0
+    assert w[3] is None and len(w[0]) == 0
     # max_turns counts conversation turns only
     check_context(store, "s", turns, system, 100, 1)
     check_context(store, "s", turns, system, 100, 0)

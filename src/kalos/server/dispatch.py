@@ -222,12 +222,12 @@ class Dispatcher:
         return M.encode_counts(out, turns, tokens), 0
 
     def _context(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
-        req = M.decode_context(body, len(body))
-        w = self.sessions.context(
-            req.session, req.max_tokens, req.max_turns, now=self.now_ns * 1e-9, scope=req.scope
+        session, max_tokens, max_turns, scope = M.decode_context(body, len(body))
+        tokens, meta, text, system = self.sessions.context(
+            session, max_tokens, max_turns, now=self.now_ns * 1e-9, scope=scope
         )
         t = _monotonic_ns()
-        n = M.encode_context_response(out, w.tokens, w.meta, w.text, w.system)
+        n = M.encode_context_response(out, tokens, meta, text, system)
         return n, _monotonic_ns() - t
 
     def _sessions(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:

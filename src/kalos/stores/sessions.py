@@ -83,17 +83,14 @@ class SystemPrompt(NamedTuple):
     text: bytes  # role bytes then text bytes
 
 
-class TurnWindow(NamedTuple):
-    """What :meth:`SessionStore.context` selected: byte views into the session's buffers.
+TurnWindow = tuple[memoryview, memoryview, memoryview, "SystemPrompt | None"]
+"""What :meth:`SessionStore.context` selected, as byte views into the session's buffers:
+(tokens: int32 [n_tokens], the turns' ids oldest first; meta: uint32 [n_turns, 4]; text: the
+turns' role and text bytes; the pinned system prompt when it is included, else None).
 
-    Valid until the session's next change; the encoder copies each into the response in one
-    piece (memoryview slices: cheaper than numpy views on this path).
-    """
-
-    tokens: memoryview  # int32 [n_tokens] as bytes: the turns' ids, oldest first
-    meta: memoryview  # uint32 [n_turns, 4] as bytes
-    text: memoryview  # role and text bytes of those turns
-    system: SystemPrompt | None  # the pinned system prompt, when it is included
+Valid until the session's next change; the encoder copies each into the response in one piece.
+A plain tuple of memoryviews: on this path a NamedTuple (~0.25 µs) or numpy views cost more.
+"""
 
 
 class Session:
@@ -286,7 +283,7 @@ class SessionStore:
         if max_turns is not None and n - first > max_turns:
             first = n - max_turns
         txt = s.txt_cum
-        return TurnWindow(
+        return (
             s.tokens_mv[4 * cum[first] : 4 * cum[n]],
             s.meta_mv[16 * first : 16 * n],
             s.text_mv[txt[first] : txt[n]],
