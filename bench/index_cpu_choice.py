@@ -111,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=20261129)
     parser.add_argument("--date", default=dt.date.today().isoformat())
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument(
+        "--append", action="store_true", help="add this run to the day's file (a list of runs)"
+    )
     args = parser.parse_args(argv)
 
     import faiss
@@ -248,7 +251,12 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{SCENARIO}-{args.machine}-{args.date}.json"
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    runs: list[dict[str, Any]] = []
+    if args.append and path.exists():
+        previous = json.loads(path.read_text())
+        runs = previous if isinstance(previous, list) else [previous]
+    runs.append(record)
+    path.write_text(json.dumps(runs if len(runs) > 1 else record, indent=2) + "\n")
     print(f"wrote {path}")
     return 0
 

@@ -4,11 +4,11 @@ Vectors sit in one float32 matrix ``[capacity, dim]`` whose first ``len(index)``
 (removal moves the last rows into the holes), so a search is one BLAS matrix-vector product
 over contiguous memory followed by a top-k selection of the winners only.
 
-Measured on the 2-core CI VM (100K x 128 float32, see
-``bench/results/index-cpu-choice-ci-2core-2026-11-29.json``): the product is ~3.3 ms and
-memory-bound; ``np.argpartition`` over all 100K scores took ~0.8 ms, while taking a threshold
-from a 1/32 strided sample first (:func:`top_k_1d`) and partitioning only the few scores above it
-takes ~0.05 ms and stays exact.
+Top-k selection, measured on the 2-core CI VM (100K float32 scores): ``np.argpartition`` over
+all of them took ~0.8 ms, as long as a third of the product itself; taking a threshold from a
+1/32 strided sample first (:func:`top_k_1d`) and partitioning only the few scores above it takes
+~0.05 ms and stays exact. The backend comparison that made this ``"cpu:flat"`` is in
+``bench/results/index-cpu-choice-ci-2core-2026-11-29.json``.
 """
 
 from __future__ import annotations
