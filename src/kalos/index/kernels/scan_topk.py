@@ -1,0 +1,733 @@
+"""Exact scan + top-k on the GPU, in Triton: one fused scoring/selection pass and a tiny merge.
+
+Search of ``nq`` queries against ``n`` live rows is two launches:
+
+``scan_topk`` (``_scan_topk_kernel``)
+    A fixed grid of ``P`` persistent programs (a few per multiprocessor). Program ``p`` walks
+    the row tiles ``p, p + P, p + 2P, ...`` of ``BLOCK_N`` rows. For each tile it scores every row
+    (tensor-core ``tl.dot`` or plain FMAs), packs each score and its row into one sortable int64
+    key, and takes the tile's largest key. Only when that key beats the best *published* k-th key
+    of its query (``thr``, one int64 per query in device memory, raised with ``atomic_max`` by every
+    program whose own list improves) does the program sort the tile (``tl.topk``, bitonic) and
+    merge it into its running top-``KP`` list. After the first tiles a tile almost never beats the
+    global threshold, so selection costs one max-reduction and one compare per tile and the pass
+    runs at the speed of the loads, which ``num_stages`` keeps in flight (``cp.async``).
+    Each program writes its sorted top-``KP`` list: ``P * KP`` candidates per query.
+
+``merge_topk`` (``_merge_topk_kernel``)
+    One program per query: bitonic top-``KP`` over the ``P * KP`` candidates, decode keys to
+    (score, row), map rows to ids, apply the metric's final transform, write ``k`` results, and
+    reset ``thr`` for the next search (so a captured CUDA graph needs no separate reset node).
+
+Why skipping on the published threshold is exact: a program publishes the key of the k-th entry
+of its own list, so at least ``k`` rows have keys >= ``thr``; a tile whose largest key is below
+``thr`` holds no row of the final top-k. Keys are unique (the row is in the low bits), so there
+are no ties between keys.
+
+Key layout (int64): high 32 bits = the fp32 score's bits mapped to a signed order-preserving int
+(``b if b >= 0 else b ^ 0x7FFFFFFF``), low 32 bits = the row. ``KEY_NONE`` (int64 min) marks
+"no row" (past ``n``, filtered out by scope, or padding); it can never be a real key, since its
+high half would be a NaN's bits.
+
+For k above the fast path's limit, ``score_keys`` writes every row's key (``[nq, cap]``) and the
+caller selects with ``torch.topk``; ``merge_topk`` with ``SELECT=False`` decodes the result.
+
+All launchers take torch tensors on one device. With ``TRITON_INTERPRET=1`` they also run on CPU
+tensors (slowly), which is how CI tests them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+from triton.runtime.jit import constexpr_function
+
+KEY_NONE = -(2**63)  # int64 min: "no row"
+_KEY_NONE: tl.constexpr = tl.constexpr(KEY_NONE)
+_KEY_MAX: tl.constexpr = tl.constexpr(2**63 - 1)
+
+METRIC_IP = 0
+METRIC_COSINE = 1
+METRIC_L2 = 2
+
+
+@constexpr_function
+def _log2(n):
+    n = int(n)
+    if n <= 0 or n & (n - 1):
+        raise ValueError(f"{n} is not a power of two")
+    return n.bit_length() - 1
+
+
+# ------------------------------------------------------------------------------ bitonic top-k
+# A [R, N] tensor is viewed as a hypercube [2] * log2(R * N); the innermost log2(N) axes index
+# a row. One compare-exchange layer pairs the elements along one size-2 axis. The partner is
+# found as (pair sum) - self: two's-complement sums wrap, so this is exact for any int64, and
+# it is a plain `sum` reduction -- one shuffle on the GPU, and a numpy-native op under
+# TRITON_INTERPRET (tl.sort/tl.topk use an xor-reduction there, which the interpreter runs
+# element by element in Python, about 100x slower).
+
+
+@triton.jit
+def _bitonic_stage(h, stage: tl.constexpr, order: tl.constexpr):
+    # h: hypercube [2] * n int64. `stage` compare-exchange layers over the innermost `stage` axes,
+    # outermost first. order: 0 ascending, 1 descending, 2 alternating by bit `stage` (builds
+    # bitonic runs). Written out in one function: under the interpreter every nested jit call
+    # costs ~0.3 ms.
+    n_dims: tl.constexpr = _log2(h.numel)
+    if order == 2:
+        flip = tl.reshape(tl.arange(0, 2), [1] * (n_dims - stage - 1) + [2] + [1] * stage)
+    else:
+        flip = order
+    for j in tl.static_range(stage):
+        # layer j works on axis n_dims - stage + j (the (stage - 1 - j)-th from the innermost)
+        partner = tl.sum(h, axis=n_dims - stage + j, keep_dims=True) - h
+        right = tl.reshape(
+            tl.arange(0, 2), [1] * (n_dims - stage + j) + [2] + [1] * (stage - 1 - j)
+        )
+        # the left keeps the smaller one, unless `flip` says the larger
+        h = tl.where((h > partner) != (flip ^ right), partner, h)
+    return h
+
+
+@triton.jit
+def _topk_desc(x, KP: tl.constexpr):
+    # x: [R, N] int64 -> [R, KP] the KP largest of each row, sorted descending (KP, N powers
+    # of two, KP <= N). Sort runs of KP, then repeatedly keep the larger half of run pairs.
+    log_n: tl.constexpr = _log2(x.shape[1])
+    log_k: tl.constexpr = _log2(KP)
+    h = tl.reshape(x, [2] * _log2(x.numel))
+    for i in tl.static_range(1, log_k + 1):
+        h = _bitonic_stage(h, i, 2 if i < log_n else 1)
+    for i in tl.static_range(log_k + 1, log_n + 1):
+        h = tl.max(h, axis=_log2(h.numel) - 1 - log_k)
+        h = _bitonic_stage(h, log_k, 2 if i < log_n else 1)
+    return tl.reshape(h, [x.shape[0], KP])
+
+
+@triton.jit
+def _merge_desc(a, b):
+    # a, b: [R, KP] int64, rows sorted descending -> top-KP of each row pair, sorted descending.
+    # max(a, reversed(b)) is the larger half of the union as a bitonic run; one bitonic merge
+    # (log2(KP) layers) sorts it.
+    log_k: tl.constexpr = _log2(a.shape[1])
+    n_dims: tl.constexpr = _log2(a.numel)
+    hb = tl.reshape(b, [2] * n_dims)
+    for i in tl.static_range(log_k):  # reverse the row, one index bit at a time
+        hb = tl.sum(hb, axis=n_dims - 1 - i, keep_dims=True) - hb
+    h = tl.maximum(tl.reshape(a, [2] * n_dims), hb)
+    h = _bitonic_stage(h, log_k, 1)
+    return tl.reshape(h, a.shape)
+
+
+# ------------------------------------------------------------------------------------- keys
+
+
+@triton.jit
+def _keys_from_scores(s, rows, valid):
+    # s: [BQS, BN] fp32; rows: [1, BN] int32; valid: [BQS, BN] bool -> [BQS, BN] int64 keys
+    bits = s.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    key = (ordered.to(tl.int64) << 32) | rows.to(tl.int64)
+    return tl.where(valid, key, _KEY_NONE)
+
+
+@triton.jit
+def _scores_from_keys(key):
+    # key: [...] int64 -> (scores [...] fp32, rows [...] int32); meaningless where key == KEY_NONE
+    hi = (key >> 32).to(tl.int32)
+    bits = tl.where(hi >= 0, hi, hi ^ 0x7FFFFFFF)
+    return bits.to(tl.float32, bitcast=True), (key & 0xFFFFFFFF).to(tl.int32)
+
+
+# ---------------------------------------------------------------------------------- scoring
+
+
+@triton.jit
+def _load_queries(
+    q_ptr,
+    stride_q,
+    nq,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    METRIC: tl.constexpr,
+):
+    # q: [nq, D] fp32 | fp16 | bf16 -> [BLOCK_Q, BLOCK_D] fp32, zero-padded; unit rows for cosine
+    qi = tl.arange(0, BLOCK_Q)
+    dc = tl.arange(0, BLOCK_D)
+    m = (qi[:, None] < nq) & (dc[None, :] < D)
+    q = tl.load(q_ptr + qi[:, None] * stride_q + dc[None, :], mask=m, other=0.0).to(tl.float32)
+    if METRIC == 1:
+        nrm = tl.sqrt(tl.sum(q * q, axis=1))
+        q = q / tl.where(nrm > 0, nrm, 1.0)[:, None]
+    return q
+
+
+@triton.jit
+def _tile_scores(
+    db_ptr,
+    sq_ptr,
+    rows,
+    rmask,
+    qT,
+    qv,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BQS: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    METRIC: tl.constexpr,
+    PREC: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    # -> [BQS, BLOCK_N] fp32 scores to maximise, for the first BQS queries
+    dc = tl.arange(0, BLOCK_D)
+    # db: [cap, D] row-major; int64 offsets (10M x 768 elements overflow int32)
+    ptrs = db_ptr + rows.to(tl.int64)[:, None] * D + dc[None, :]
+    if BLOCK_D == D:
+        x = tl.load(ptrs, mask=rmask[:, None], other=0.0)
+    else:
+        x = tl.load(ptrs, mask=rmask[:, None] & (dc[None, :] < D), other=0.0)
+    if USE_DOT:
+        if DOT_F32:  # bf16 under TRITON_INTERPRET: its dot multiplies the raw uint16 bits
+            acc = tl.dot(x.to(tl.float32), qT.to(tl.float32), input_precision="ieee")
+        else:
+            acc = tl.dot(x, qT, input_precision=PREC)  # [BLOCK_N, BLOCK_Q] fp32
+        if BQS == BLOCK_Q:
+            s = tl.trans(acc)
+        else:
+            # keep the first BQS columns: [BN, BLOCK_Q] -> [BN, BLOCK_Q // BQS, BQS], group 0
+            g = tl.arange(0, BLOCK_Q // BQS)[None, :, None]
+            acc3 = tl.reshape(acc, [acc.shape[0], BLOCK_Q // BQS, BQS])
+            s = tl.trans(tl.sum(tl.where(g == 0, acc3, 0.0), axis=1))
+    else:
+        s = tl.sum(x.to(tl.float32) * qv[None, :], axis=1)[None, :]  # BQS == 1
+    if METRIC == 2:
+        # maximise 2 q.x - |x|^2  (distance = |q|^2 - that, applied in merge_topk)
+        sq = tl.load(sq_ptr + rows, mask=rmask, other=0.0)
+        s = 2.0 * s - sq[None, :]
+    return s
+
+
+@triton.jit
+def _scope_mask(scope_ptr, filt_ptr, rows, rmask, cap):
+    # scopes: [3, cap] int64 (tenant, user, session rows); filter: [3] int64, 0 = any.
+    # A field whose filter is 0 is not read at all (its load is masked off).
+    # filter fields broadcast to the tile first (the interpreter mis-types bool & scalar-bool)
+    zero = rows.to(tl.int64) * 0
+    ft = zero + tl.load(filt_ptr)
+    fu = zero + tl.load(filt_ptr + 1)
+    fs = zero + tl.load(filt_ptr + 2)
+    tv = tl.load(scope_ptr + rows, mask=rmask & (ft != 0), other=0)
+    uv = tl.load(scope_ptr + cap + rows, mask=rmask & (fu != 0), other=0)
+    sv = tl.load(scope_ptr + 2 * cap + rows, mask=rmask & (fs != 0), other=0)
+    ok = ((ft == 0) | (tv == ft)) & ((fu == 0) | (uv == fu)) & ((fs == 0) | (sv == fs))
+    return rmask & ok
+
+
+# ---------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _scan_topk_kernel(
+    db_ptr,  # db: [cap, D] fp16 | bf16 | fp32, row-major
+    sq_ptr,  # sqnorms: [cap] fp32, |x|^2 of the stored rows (read when METRIC == 2)
+    scope_ptr,  # scopes: [3, cap] int64 (read when SCOPED)
+    filt_ptr,  # filter: [3] int64 on the device (read when SCOPED)
+    q_ptr,  # q: [nq, D] fp32 | fp16 | bf16, row-major with stride_q
+    n_ptr,  # n: [1] int32, live rows; rows [0, n) are scanned
+    thr_ptr,  # thr: [>= nq] int64, largest published k-th key of one program; KEY_NONE at entry
+    slot_ptr,  # slots: [nq, KP] int64, best key of program group j = pid % k; KEY_NONE at entry
+    cnt_ptr,  # cnt: [>= nq] int32, survivors appended; 0 at entry
+    surv_ptr,  # surv: [nq, SURV] int64, keys that can still be in the top-k (when cnt <= SURV)
+    cand_ptr,  # cand: [nq, P, KP] int64, each program's top-KP keys, sorted descending
+    nq,
+    k,
+    cap,
+    stride_q,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_Q: tl.constexpr,  # >= 16 (a dot operand), >= BQS
+    BQS: tl.constexpr,  # queries selected for: next_pow2(nq)
+    KP: tl.constexpr,
+    SURV: tl.constexpr,
+    METRIC: tl.constexpr,
+    SCOPED: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    SKIP: tl.constexpr,
+    PREC: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    n = tl.load(n_ptr)
+    n_tiles = tl.cdiv(n, BLOCK_N)
+
+    q = _load_queries(q_ptr, stride_q, nq, D, BLOCK_D, BLOCK_Q, METRIC)  # [BLOCK_Q, BLOCK_D]
+    qT = tl.trans(q.to(db_ptr.dtype.element_ty))  # [BLOCK_D, BLOCK_Q] (dot operand)
+    qv = tl.sum(tl.where(tl.arange(0, BLOCK_Q)[:, None] == 0, q, 0.0), axis=0)  # [BLOCK_D]
+    qs = tl.arange(0, BQS)
+    qs_ok = qs < nq
+    kk = tl.arange(0, KP)
+    slots = slot_ptr + qs[:, None] * KP + kk[None, :]  # [BQS, KP]
+    slots_ok = qs_ok[:, None] & (kk[None, :] < k)
+    my_slot = slot_ptr + qs * KP + pid % k  # [BQS]
+
+    run = tl.full([BQS, KP], _KEY_NONE, tl.int64)
+    for t in tl.range(pid, n_tiles, P, num_stages=NUM_STAGES):
+        rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rows < n
+        s = _tile_scores(
+            db_ptr,
+            sq_ptr,
+            rows,
+            rmask,
+            qT,
+            qv,
+            D,
+            BLOCK_D,
+            BLOCK_Q,
+            BQS,
+            USE_DOT,
+            METRIC,
+            PREC,
+            DOT_F32,
+        )
+        if SCOPED:  # noqa: SIM108 - a constexpr branch: the filter costs nothing when off
+            valid = _scope_mask(scope_ptr, filt_ptr, rows, rmask, cap)
+        else:
+            valid = rmask
+        keys = _keys_from_scores(s, rows[None, :], valid[None, :] & qs_ok[:, None])
+        if SKIP:
+            tmax = tl.max(keys, axis=1)  # [BQS]
+            # volatile: other programs raise these while this one runs; a stale value only
+            # skips less. Two lower bounds of the k-th key: the best published k-th key of one
+            # program, and the least of the k group bests (k distinct rows).
+            thr = tl.load(thr_ptr + qs, mask=qs_ok, other=_KEY_NONE, volatile=True)
+            best = tl.load(slots, mask=slots_ok, other=_KEY_MAX, volatile=True)
+            bound = tl.maximum(thr, tl.min(best, axis=1))
+            hit = tl.max((tmax > bound).to(tl.int32), axis=0)
+        else:
+            hit = 1
+        if hit > 0:
+            run = _merge_desc(run, _topk_desc(keys, KP))
+            if SKIP:
+                kth = tl.max(tl.where(kk[None, :] == k - 1, run, _KEY_NONE), axis=1)  # [BQS]
+                tl.atomic_max(thr_ptr + qs, kth, mask=qs_ok, sem="relaxed")
+                top1 = tl.max(run, axis=1)
+                tl.atomic_max(my_slot, top1, mask=qs_ok, sem="relaxed")
+
+    out = cand_ptr + qs[:, None] * (P * KP) + pid * KP + kk[None, :]
+    tl.store(out, run, mask=qs_ok[:, None])
+    # Survivors: this program's keys at or above the bound now (a prefix of the sorted run)
+    # are appended to a short per-query list; every true top-k key is among them, since the
+    # bound never passes the true k-th key. merge_topk sorts only those, unless they overflow.
+    thr = tl.load(thr_ptr + qs, mask=qs_ok, other=_KEY_NONE, volatile=True)
+    best = tl.load(slots, mask=slots_ok, other=_KEY_MAX, volatile=True)
+    bound = tl.maximum(thr, tl.min(best, axis=1))
+    live = (run >= bound[:, None]) & (run != _KEY_NONE) & qs_ok[:, None]
+    count = tl.sum(live.to(tl.int32), axis=1)  # [BQS]
+    at = tl.atomic_add(cnt_ptr + qs, count, mask=qs_ok & (count > 0), sem="relaxed")
+    pos = at[:, None] + kk[None, :]
+    tl.store(surv_ptr + qs[:, None] * SURV + pos, run, mask=live & (pos < SURV))
+
+
+@triton.jit
+def _merge_topk_kernel(
+    cand_ptr,  # cand: [nq, NCAND] int64 keys (SELECT) or [nq, NCAND] sorted keys (not SELECT)
+    thr_ptr,  # thr: [>= nq] int64, reset to KEY_NONE here (when SELECT)
+    slot_ptr,  # slots: [nq, KP] int64, reset to KEY_NONE here (when SELECT)
+    cnt_ptr,  # cnt: [>= nq] int32 survivors, reset to 0 here (when SELECT)
+    surv_ptr,  # surv: [nq, SURV] int64 survivors (when SELECT)
+    ids_ptr,  # ids: [cap] int64, row -> id
+    q_ptr,  # q: [nq, D] (read for METRIC == 2: |q|^2)
+    scores_ptr,  # out scores: [nq, k] fp32, row stride stride_os
+    out_ids_ptr,  # out ids: [nq, k] int64, row stride stride_oi
+    NCAND,
+    k,
+    stride_q,
+    stride_os,
+    stride_oi,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    KP: tl.constexpr,
+    SURV: tl.constexpr,
+    CHUNK: tl.constexpr,
+    METRIC: tl.constexpr,
+    SELECT: tl.constexpr,
+):
+    qid = tl.program_id(0)
+    kk = tl.arange(0, KP)
+    base = cand_ptr + qid.to(tl.int64) * NCAND
+    if SELECT:
+        count = tl.load(cnt_ptr + qid)
+        if count <= SURV:  # the usual case: sort the few survivors
+            so = tl.arange(0, SURV)
+            sv = tl.load(surv_ptr + qid * SURV + so, mask=so < count, other=_KEY_NONE)
+            top = _topk_desc(sv[None, :], KP)
+        else:  # too many (no or weak bound): every program's list
+            offs = tl.arange(0, CHUNK)
+            c = tl.load(base + offs, mask=offs < NCAND, other=_KEY_NONE)
+            top = _topk_desc(c[None, :], KP)
+            for c0 in range(CHUNK, NCAND, CHUNK):
+                c = tl.load(base + c0 + offs, mask=c0 + offs < NCAND, other=_KEY_NONE)
+                top = _merge_desc(top, _topk_desc(c[None, :], KP))
+        key = tl.reshape(top, [KP])
+        # reset the search state for the next search (a captured graph needs no reset node)
+        tl.store(thr_ptr + qid, _KEY_NONE)
+        tl.store(slot_ptr + qid * KP + kk, tl.full([KP], _KEY_NONE, tl.int64))
+        tl.store(cnt_ptr + qid, 0)
+    else:
+        key = tl.load(base + kk, mask=kk < NCAND, other=_KEY_NONE)
+    s, row = _scores_from_keys(key)
+    ok = key != _KEY_NONE
+    ids = tl.load(ids_ptr + row, mask=ok, other=-1)
+    if METRIC == 2:
+        dc = tl.arange(0, BLOCK_D)
+        qrow = tl.load(q_ptr + qid * stride_q + dc, mask=dc < D, other=0.0).to(tl.float32)
+        d = tl.maximum(tl.sum(qrow * qrow, axis=0) - s, 0.0)
+        s = tl.where(ok, d, float("inf"))
+    else:
+        s = tl.where(ok, s, float("-inf"))
+    wm = kk < k
+    tl.store(scores_ptr + qid * stride_os + kk, s, mask=wm)
+    tl.store(out_ids_ptr + qid * stride_oi + kk, ids, mask=wm)
+
+
+@triton.jit
+def _score_keys_kernel(
+    db_ptr,  # db: [cap, D]
+    sq_ptr,  # sqnorms: [cap] fp32
+    scope_ptr,  # scopes: [3, cap] int64
+    filt_ptr,  # filter: [3] int64
+    q_ptr,  # q: [nq, D]
+    n_ptr,  # n: [1] int32
+    keys_ptr,  # keys: [nq, cap] int64 out; KEY_NONE for rows >= n or filtered out
+    nq,
+    cap,
+    stride_q,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    METRIC: tl.constexpr,
+    SCOPED: tl.constexpr,
+    PREC: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    # grid: (cdiv(cap, BLOCK_N),) -- covers the capacity, so a captured graph stays valid
+    t = tl.program_id(0)
+    n = tl.load(n_ptr)
+    q = _load_queries(q_ptr, stride_q, nq, D, BLOCK_D, BLOCK_Q, METRIC)
+    qT = tl.trans(q.to(db_ptr.dtype.element_ty))
+    qs = tl.arange(0, BLOCK_Q)
+    rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < n
+    s = _tile_scores(
+        db_ptr,
+        sq_ptr,
+        rows,
+        rmask,
+        qT,
+        qT,
+        D,
+        BLOCK_D,
+        BLOCK_Q,
+        BLOCK_Q,
+        True,
+        METRIC,
+        PREC,
+        DOT_F32,
+    )
+    if SCOPED:  # noqa: SIM108 - a constexpr branch
+        valid = _scope_mask(scope_ptr, filt_ptr, rows, rmask, cap)
+    else:
+        valid = rmask
+    keys = _keys_from_scores(s, rows[None, :], valid[None, :] & (qs[:, None] < nq))
+    out = keys_ptr + qs[:, None].to(tl.int64) * cap + rows[None, :]
+    tl.store(out, keys, mask=(qs[:, None] < nq) & (rows[None, :] < cap))
+
+
+# ----------------------------------------------------------------------------------- launchers
+
+
+class ScanConfig:
+    """Launch shape of ``scan_topk``; ``choose_config`` picks one per (dim, dtype, batch, k).
+
+    block_n: rows per tile; num_warps / num_stages: Triton's; use_dot: score with tensor cores
+    (``tl.dot``) rather than FMAs; skip: the published-threshold skip (off only for experiments);
+    programs_per_sm: persistent programs per multiprocessor (the grid is fixed by capacity).
+    """
+
+    __slots__ = ("block_n", "num_stages", "num_warps", "programs_per_sm", "skip", "use_dot")
+
+    def __init__(
+        self,
+        block_n: int = 128,
+        num_warps: int = 4,
+        num_stages: int = 3,
+        use_dot: bool = True,
+        skip: bool = True,
+        programs_per_sm: int = 2,
+    ) -> None:
+        self.block_n = block_n
+        self.num_warps = num_warps
+        self.num_stages = num_stages
+        self.use_dot = use_dot
+        self.skip = skip
+        self.programs_per_sm = programs_per_sm
+
+    def __repr__(self) -> str:
+        return (
+            f"ScanConfig(block_n={self.block_n}, num_warps={self.num_warps}, "
+            f"num_stages={self.num_stages}, use_dot={self.use_dot}, skip={self.skip}, "
+            f"programs_per_sm={self.programs_per_sm})"
+        )
+
+
+# The fast path keeps a top-KP list per program and sorts tiles of >= KP rows; above these KP
+# (or when such a tile would pass 64 KB) the caller uses score_keys plus torch.topk instead.
+FAST_MAX_KP_SINGLE = 256
+FAST_MAX_KP_BATCH = 64
+MAX_BATCH = 64  # queries per launch at most (fewer for wide rows: see max_batch)
+_TILE_BYTES_MAX = 64 * 1024
+
+
+def _dot_f32(db) -> bool:
+    """The interpreter's dot multiplies bf16 as raw uint16: upcast there (tests only)."""
+    return os.environ.get("TRITON_INTERPRET") == "1" and str(db.dtype) == "torch.bfloat16"
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def block_d(dim: int) -> int:
+    return max(16, next_pow2(dim))
+
+
+def block_q(nq: int) -> int:
+    return max(16, next_pow2(nq))
+
+
+def key_width(k: int) -> int:
+    """KP: the per-program list length, a power of two >= k (and >= 2)."""
+    return max(2, next_pow2(k))
+
+
+def max_batch(dim: int, elem_bytes: int) -> int:
+    """Queries per launch, so that the query tile [BLOCK_Q, BLOCK_D] stays within 64 KB."""
+    row = block_d(dim) * elem_bytes
+    return max(1, min(MAX_BATCH, _TILE_BYTES_MAX // row))
+
+
+def fast_path_ok(nq: int, k: int, dim: int, elem_bytes: int) -> bool:
+    kp = key_width(k)
+    if kp > (FAST_MAX_KP_SINGLE if nq == 1 else FAST_MAX_KP_BATCH):
+        return False
+    return kp * block_d(dim) * elem_bytes <= _TILE_BYTES_MAX
+
+
+def choose_config(dim: int, elem_bytes: int, nq: int, k: int, on_gpu: bool) -> ScanConfig:
+    """Launch shape, from the H200 sweeps in bench/NOTES-gpu.md: a single query scores with
+    FMAs on 32 KB tiles (128 rows at dim 128, 16 at 768), 3 stages deep, 2 programs per SM
+    (3 for narrow tiles); batches use tensor cores on ~32 KB tiles, 2 programs per SM."""
+    row = block_d(dim) * elem_bytes
+    kp = key_width(k)
+    if not on_gpu:  # the interpreter: few, small programs
+        return ScanConfig(
+            block_n=max(kp, 64),
+            num_warps=4,
+            num_stages=1,
+            use_dot=True,
+            skip=True,
+            programs_per_sm=4,
+        )
+    if nq == 1:
+        use_dot = row > 2048  # a [16, 2048] fp16 tile would not fit the FMA path's registers
+        bn = max(16, min(128, next_pow2(32768 // row)))
+        pps = 2 if bn >= 128 else 3
+    else:
+        use_dot = True
+        bn = max(16, min(64, next_pow2(32768 // row)))
+        pps = 2
+    bn = max(bn, kp)
+    stages = max(1, min(3, (96 * 1024) // (bn * row)))
+    bqs = next_pow2(nq)
+    warps = 4 if block_q(nq) <= 16 and bqs * bn <= 512 and kp < 64 and bn <= 128 else 8
+    return ScanConfig(
+        block_n=bn,
+        num_warps=warps,
+        num_stages=stages,
+        use_dot=use_dot,
+        skip=True,
+        programs_per_sm=pps,
+    )
+
+
+def survivors_width(k: int) -> int:
+    """SURV: room for the keys that pass the final bound (~50 for k = 10 at 1M-10M rows)."""
+    return 16 * key_width(k)
+
+
+def scan_topk(
+    db,
+    sqnorms,
+    scopes,
+    filt,
+    q,
+    n_dev,
+    state,
+    cand,
+    *,
+    k: int,
+    metric: int,
+    scoped: bool,
+    programs: int,
+    cfg: ScanConfig,
+) -> None:
+    """Launch the fused scan.
+
+    db: [cap, D] fp16 | bf16 | fp32; sqnorms: [cap] fp32; scopes: [3, cap] int64; filt: [3] int64;
+    q: [nq, D] (unit stride in D); n_dev: [1] int32; state: (thr [>= nq] int64 KEY_NONE,
+    slots [nq, KP] int64 KEY_NONE, cnt [>= nq] int32 0, surv [nq, SURV] int64), all reset by
+    merge_topk; cand: [nq, programs, KP] int64, written. No host sync, no allocation.
+    """
+    nq, dim = q.shape
+    kp = key_width(k)
+    bn = max(cfg.block_n, kp)
+    use_dot = cfg.use_dot or nq > 1
+    prec = "ieee" if db.dtype.itemsize == 4 else "tf32"
+    thr, slots, cnt, surv = state
+    _scan_topk_kernel[(programs,)](
+        db,
+        sqnorms,
+        scopes,
+        filt,
+        q,
+        n_dev,
+        thr,
+        slots,
+        cnt,
+        surv,
+        cand,
+        nq,
+        k,
+        db.shape[0],
+        q.stride(0),
+        D=dim,
+        BLOCK_D=block_d(dim),
+        BLOCK_N=bn,
+        BLOCK_Q=block_q(nq),
+        BQS=next_pow2(nq),
+        KP=kp,
+        SURV=surv.shape[1],
+        METRIC=metric,
+        SCOPED=scoped,
+        USE_DOT=use_dot,
+        SKIP=cfg.skip,
+        PREC=prec,
+        DOT_F32=_dot_f32(db),
+        NUM_STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
+def merge_topk(
+    cand,
+    state,
+    ids,
+    q,
+    scores_out,
+    ids_out,
+    *,
+    k: int,
+    metric: int,
+    select: bool,
+    num_warps: int = 8,
+) -> None:
+    """Final top-k per query, decoded to (score, id).
+
+    cand: [nq, NCAND] int64 keys (any order when select, sorted descending otherwise);
+    state: scan_topk's (thr, slots, cnt, surv), reset here when select; ids: [cap] int64;
+    q: [nq, D]; scores_out: [nq, k] fp32 and ids_out: [nq, k] int64, unit stride in k.
+    No host sync.
+    """
+    nq, ncand = cand.shape
+    dim = q.shape[1]
+    kp = key_width(k)
+    chunk = min(4096, next_pow2(max(ncand, kp)))
+    thr, slots, cnt, surv = state
+    _merge_topk_kernel[(nq,)](
+        cand,
+        thr,
+        slots,
+        cnt,
+        surv,
+        ids,
+        q,
+        scores_out,
+        ids_out,
+        ncand,
+        k,
+        q.stride(0),
+        scores_out.stride(0),
+        ids_out.stride(0),
+        D=dim,
+        BLOCK_D=block_d(dim),
+        KP=kp,
+        SURV=surv.shape[1],
+        CHUNK=max(chunk, kp),
+        METRIC=metric,
+        SELECT=select,
+        num_warps=num_warps,
+    )
+
+
+def score_keys(
+    db,
+    sqnorms,
+    scopes,
+    filt,
+    q,
+    n_dev,
+    keys,
+    *,
+    metric: int,
+    scoped: bool,
+    block_n: int = 64,
+    num_warps: int = 4,
+) -> None:
+    """Every row's key for every query: keys [nq, cap] int64 (KEY_NONE past n or filtered)."""
+    nq, dim = q.shape
+    cap = db.shape[0]
+    prec = "ieee" if db.dtype.itemsize == 4 else "tf32"
+    bd = block_d(dim)
+    bn = max(16, min(block_n, next_pow2(32768 // (bd * db.dtype.itemsize))))
+    _score_keys_kernel[(triton.cdiv(cap, bn),)](
+        db,
+        sqnorms,
+        scopes,
+        filt,
+        q,
+        n_dev,
+        keys,
+        nq,
+        cap,
+        q.stride(0),
+        D=dim,
+        BLOCK_D=bd,
+        BLOCK_N=bn,
+        BLOCK_Q=block_q(nq),
+        METRIC=metric,
+        SCOPED=scoped,
+        PREC=prec,
+        DOT_F32=_dot_f32(db),
+        num_warps=num_warps,
+    )

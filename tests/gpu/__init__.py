@@ -1,0 +1,1 @@
+"""CUDA-only tests: marked ``gpu`` and skipped on machines without a CUDA device."""

@@ -1,0 +1,256 @@
+"""CudaFlatIndex on a CUDA GPU, at full sizes: the interpreter tests' checks, plus the device
+path's promises (no allocation with ``out``; graphs that survive adds and recapture on growth).
+
+Run on a CUDA machine: ``pytest -m gpu tests/gpu``. Skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from kalos.errors import NotFound  # noqa: E402
+from kalos.index.cuda_flat import CudaFlatIndex  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+# ------------------------------------------------------------------ reference and checker
+# (the same helpers as tests/index/test_cuda_flat_interp.py: each test file stands alone)
+
+_UNIT_ROUNDOFF = {"fp16": 2.0**-11, "bf16": 2.0**-8, "fp32": 2.0**-20}
+_TORCH_DTYPE = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+
+
+def make_index(metric: str, dtype: str, dim: int, device: str) -> CudaFlatIndex:
+    return CudaFlatIndex(
+        dim=dim, metric=metric, spec=f"cuda:flat,{dtype}", device=device, dtype=dtype
+    )
+
+
+def stored_vectors(metric: str, dtype: str, x: np.ndarray) -> np.ndarray:
+    """float64 of what the index stores: cosine rows normalised in float32, then rounded."""
+    x = x.astype(np.float32)
+    if metric == "cosine":
+        nrm = np.linalg.norm(x, axis=1, keepdims=True)
+        x = x / np.where(nrm > 0, nrm, 1)
+    t = torch.from_numpy(np.ascontiguousarray(x)).to(getattr(torch, _TORCH_DTYPE[dtype]))
+    return t.double().numpy()
+
+
+def ref_scores(metric: str, dtype: str, x: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """[nq, n] float64: inner products (ip, cosine) or squared distances (l2)."""
+    xs = stored_vectors(metric, dtype, x)
+    qd = q.astype(np.float64)
+    if metric == "cosine":
+        qd = qd / np.linalg.norm(qd, axis=1, keepdims=True)
+    if metric == "l2":
+        return (qd**2).sum(1)[:, None] - 2 * qd @ xs.T + (xs**2).sum(1)[None, :]
+    return qd @ xs.T
+
+
+def tolerance(metric: str, dtype: str, x: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """[nq] bound on |kernel score - reference|: the query is rounded to the storage dtype for
+    the dot (|dq.x| <= u |q| |x|), plus fp32 accumulation; l2 adds fp32 cancellation."""
+    xs = stored_vectors(metric, dtype, x)
+    xn = float(np.linalg.norm(xs, axis=1).max()) if len(xs) else 0.0
+    qn = np.linalg.norm(q.astype(np.float64), axis=1)
+    if metric == "cosine":
+        qn = np.ones_like(qn)
+    u = _UNIT_ROUNDOFF[dtype]
+    tol = (2 * u + 2e-4) * qn * xn + 1e-6
+    if metric == "l2":
+        tol = 2 * tol + 1e-5 * (qn**2 + xn**2)
+    return tol
+
+
+def check_search(idx, x, ids, scopes, q, k, scope=None):
+    """Search through the device path with poisoned outputs and hold the answer against the
+    float64 reference over the live items that match ``scope``."""
+    q = np.atleast_2d(np.asarray(q, dtype=np.float32))
+    nq = len(q)
+    qt = torch.from_numpy(q).to(idx.device)
+    s_out = torch.full((nq, k), float("nan"), dtype=torch.float32, device=idx.device)
+    i_out = torch.full((nq, k), -7, dtype=torch.int64, device=idx.device)
+    idx.search_device(qt, k, scope=scope, out=(s_out, i_out))
+    s, got = s_out.cpu().numpy(), i_out.cpu().numpy()
+    assert not np.isnan(s).any(), "an output score was not written"
+    assert not (got == -7).any(), "an output id was not written"
+    # the host path must agree exactly
+    _, got_host = idx.search(q, k, scope=scope)
+    np.testing.assert_array_equal(got_host, got)
+
+    ascending = idx.metric == "l2"
+    ref = ref_scores(idx.metric, idx.dtype, x, q)
+    tol = tolerance(idx.metric, idx.dtype, x, q)
+    match = np.ones(len(ids), dtype=bool)
+    if scope is not None and scopes is not None:
+        for f in range(3):
+            if scope[f] != 0:
+                match &= scopes[:, f] == scope[f]
+    for i in range(nq):
+        cand, cid = ref[i][match], np.asarray(ids)[match]
+        kk = min(k, len(cand))
+        valid = got[i, :kk]
+        assert (got[i, kk:] == -1).all(), "missing results must be id -1"
+        assert (s[i, kk:] == (np.inf if ascending else -np.inf)).all()
+        assert -1 not in valid.tolist() and len(set(valid.tolist())) == kk, "duplicate or -1 id"
+        ref_of = dict(zip(cid.tolist(), cand.tolist(), strict=True))
+        assert all(j in ref_of for j in valid.tolist()), "returned a removed or filtered item"
+        r = np.array([ref_of[j] for j in valid.tolist()])
+        assert np.all(np.abs(s[i, :kk] - r) <= tol[i]), (s[i, :kk], r, tol[i])
+        step = np.diff(s[i, :kk])
+        assert np.all(step >= 0) if ascending else np.all(step <= 0), "not sorted"
+        if kk:
+            srt = np.sort(cand) if ascending else -np.sort(-cand)
+            kth = srt[kk - 1]
+            if ascending:
+                must, ok = cid[cand < kth - tol[i]], r <= kth + tol[i]
+            else:
+                must, ok = cid[cand > kth + tol[i]], r >= kth - tol[i]
+            assert set(must.tolist()) <= set(valid.tolist()), "missed a true top-k item"
+            assert ok.all(), "returned an item outside the top-k (beyond ties)"
+
+
+def _fill(idx, n, dim, seed, scopes=None):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, dim)).astype(np.float32)
+    ids = rng.permutation(4 * n)[:n].astype(np.int64) + 1
+    idx.add(x, ids, scopes)
+    return rng, x, ids
+
+
+@pytest.mark.parametrize(
+    "metric,dtype,dim,n,nq,k",
+    [
+        ("ip", "fp16", 128, 1_000_000, 1, 10),
+        ("ip", "fp16", 128, 1_000_000, 1, 256),
+        ("ip", "fp16", 128, 1_000_000, 1, 1024),
+        ("cosine", "bf16", 768, 200_000, 8, 50),
+        ("l2", "fp32", 128, 300_000, 3, 100),
+        ("l2", "fp16", 64, 500_000, 64, 10),
+        ("ip", "fp16", 1024, 100_000, 17, 64),
+        ("cosine", "fp16", 384, 250_000, 1, 1),
+    ],
+)
+def test_search_matches_float64_reference(metric, dtype, dim, n, nq, k):
+    idx = make_index(metric, dtype, dim, "cuda")
+    rng, x, ids = _fill(idx, n, dim, hash((metric, dim, n, k)) % 2**32)
+    q = rng.standard_normal((nq, dim)).astype(np.float32)
+    check_search(idx, x, ids, None, q, k)
+
+
+def test_ties_scopes_removal_upsert_at_1m():
+    n, dim = 1_000_000, 128
+    rng = np.random.default_rng(11)
+    idx = make_index("ip", "fp16", dim, "cuda")
+    x = rng.standard_normal((n, dim)).astype(np.float32)
+    q = rng.standard_normal((2, dim)).astype(np.float32)
+    x[rng.choice(n, 64, replace=False)] = 12 * q[0] / np.linalg.norm(q[0])  # tied best rows
+    ids = np.arange(n, dtype=np.int64) * 5 + 3
+    scopes = np.stack(
+        [rng.integers(1, 3, n), rng.integers(1, 50, n), rng.integers(1, 1000, n)], 1
+    ).astype(np.int64)
+    idx.add(x, ids, scopes)
+    check_search(idx, x, ids, scopes, q, 10)
+    for scope in [(1, 0, 0), (2, 7, 0), (1, 3, 17), (0, 0, 999), (3, 0, 0)]:
+        check_search(idx, x, ids, scopes, q, 10, scope=scope)
+    _, best = idx.search(q, 100)
+    gone = np.unique(np.concatenate([best.reshape(-1), ids[:1000]]))
+    assert idx.remove(gone) == len(gone)
+    keep = ~np.isin(ids, gone)
+    _, got = idx.search(q, 100)
+    assert not np.isin(got, gone).any()
+    check_search(idx, x[keep], ids[keep], scopes[keep], q, 10)
+    with pytest.raises(NotFound):
+        idx.reconstruct(gone[:1])
+    # upsert in place
+    x2, ids2, sc2 = x[keep].copy(), ids[keep], scopes[keep]
+    new_vec = (20 * q[1] / np.linalg.norm(q[1])).astype(np.float32)
+    idx.add(new_vec[None], ids2[5:6], sc2[5:6])
+    x2[5] = new_vec
+    _, got = idx.search(q[1:], 1)
+    assert got[0, 0] == ids2[5]
+    check_search(idx, x2, ids2, sc2, q, 10)
+
+
+def test_device_path_allocates_nothing_with_out_buffers():
+    idx = make_index("ip", "fp16", 128, "cuda")
+    rng, x, ids = _fill(idx, 200_000, 128, 12)
+    q = torch.from_numpy(rng.standard_normal((1, 128)).astype(np.float32)).cuda()
+    out = (
+        torch.empty((1, 10), device="cuda"),
+        torch.empty((1, 10), dtype=torch.int64, device="cuda"),
+    )
+    idx.search_device(q, 10, out=out)  # builds the workspace
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    for _ in range(5):
+        idx.search_device(q, 10, out=out)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
+    check_search(idx, x, ids, None, q.cpu().numpy(), 10)
+
+
+def test_graph_replays_across_adds_and_recaptures_on_growth():
+    dim = 128
+    idx = make_index("l2", "fp16", dim, "cuda")
+    rng, _, _ = _fill(idx, 100_000, dim, 13)
+    idx.reserve(150_000)  # headroom: adds below it keep the graph
+    g = idx.graph(1, 10)
+    q = rng.standard_normal((1, dim)).astype(np.float32)
+    g.query.copy_(torch.from_numpy(q))
+    g.ids.fill_(-7)
+    g.replay()
+    torch.cuda.synchronize()
+    s_ref, i_ref = idx.search(q, 10)
+    np.testing.assert_array_equal(g.ids.cpu().numpy(), i_ref)
+    np.testing.assert_allclose(g.scores.cpu().numpy(), s_ref)
+    # within capacity: the same graph sees the new row
+    gen = idx.generation
+    idx.add(q, np.array([10**12], dtype=np.int64))
+    assert idx.generation == gen
+    g.replay()
+    torch.cuda.synchronize()
+    assert g.ids[0, 0].item() == 10**12 and abs(g.scores[0, 0].item()) < 0.5
+    # removal within capacity
+    idx.remove([10**12])
+    g.replay()
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(g.ids.cpu().numpy(), i_ref)
+    # growth: storage moves, the next replay recaptures
+    more = rng.standard_normal((2 * idx.capacity, dim)).astype(np.float32)
+    more_ids = np.arange(len(more), dtype=np.int64) + 10**9
+    idx.add(more, more_ids)
+    assert idx.generation != gen
+    g.replay()
+    torch.cuda.synchronize()
+    _, i2 = idx.search(q, 10)
+    np.testing.assert_array_equal(g.ids.cpu().numpy(), i2)
+
+
+def test_graph_with_scope_and_batch():
+    dim = 128
+    idx = make_index("ip", "fp16", dim, "cuda")
+    n = 300_000
+    rng = np.random.default_rng(14)
+    scopes = np.stack([rng.integers(1, 4, n), rng.integers(1, 9, n), np.zeros(n)], 1).astype(
+        np.int64
+    )
+    rng, x, ids = _fill(idx, n, dim, 14, scopes)
+    g = idx.graph(4, 20, scope_active=True)
+    q = rng.standard_normal((4, dim)).astype(np.float32)
+    g.query.copy_(torch.from_numpy(q))
+    for scope in [(2, 0, 0), (1, 5, 0)]:
+        g.scope.copy_(torch.tensor(scope))
+        g.replay()
+        torch.cuda.synchronize()
+        _, i_ref = idx.search(q, 20, scope=scope)
+        np.testing.assert_array_equal(g.ids.cpu().numpy(), i_ref)
+    check_search(idx, x, ids, scopes, q, 20, scope=(1, 5, 0))

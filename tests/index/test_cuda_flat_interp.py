@@ -1,0 +1,442 @@
+"""CudaFlatIndex and its Triton kernels on the CPU, under TRITON_INTERPRET=1 (CI has no GPU).
+
+Small sizes: the interpreter runs each program in Python. The same checks at full size are in
+tests/gpu/test_cuda_flat_gpu.py. Every search is compared with a float64 reference computed from
+the storage-rounded vectors; outputs are poisoned first, so an unwritten element fails.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+
+import inspect
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+triton = pytest.importorskip("triton")
+
+from kalos.errors import InvalidRequest, NotFound  # noqa: E402
+from kalos.index.cuda_flat import CudaFlatIndex, parse_spec  # noqa: E402
+
+if not getattr(triton.runtime.interpreter, "_patch_lang_tensor", None):  # pragma: no cover
+    pytest.skip("this triton has no interpreter", allow_module_level=True)
+
+
+def _interpreter_numpy_compat() -> None:
+    """Triton < 3.7's interpreter turns a loaded scalar (a 1-element array) into a range bound
+    with int(array), which numpy >= 2.4 refuses; newer Triton squeezes first. Do the same."""
+    interp = triton.runtime.interpreter
+    if "squeeze" in inspect.getsource(interp._patch_lang_tensor):
+        return
+    original = interp._patch_lang_tensor
+
+    def patched(tensor, scope):  # type: ignore[no-untyped-def]
+        original(tensor, scope)
+        scope.set_attr(
+            tensor, "__index__", lambda self: int(np.asarray(self.handle.data).squeeze())
+        )
+
+    interp._patch_lang_tensor = patched
+
+
+_interpreter_numpy_compat()
+
+
+def _ensure_interpreted_kernels() -> None:
+    """If another test imported the kernels before TRITON_INTERPRET was set, they were built
+    for a GPU: import them again, now as interpreted functions."""
+    import importlib
+    import sys
+
+    mod = sys.modules.get("kalos.index.kernels.scan_topk")
+    if mod is None or isinstance(
+        mod._scan_topk_kernel, triton.runtime.interpreter.InterpretedFunction
+    ):
+        return
+    importlib.reload(mod)
+    importlib.reload(sys.modules["kalos.index.kernels"])
+
+
+_ensure_interpreted_kernels()
+
+
+# ------------------------------------------------------------------ reference and checker
+# (tests/gpu/test_cuda_flat_gpu.py holds the same helpers: each test file stands alone)
+
+_UNIT_ROUNDOFF = {"fp16": 2.0**-11, "bf16": 2.0**-8, "fp32": 2.0**-20}
+_TORCH_DTYPE = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+
+
+def make_index(metric: str, dtype: str, dim: int, device: str) -> CudaFlatIndex:
+    return CudaFlatIndex(
+        dim=dim, metric=metric, spec=f"cuda:flat,{dtype}", device=device, dtype=dtype
+    )
+
+
+def stored_vectors(metric: str, dtype: str, x: np.ndarray) -> np.ndarray:
+    """float64 of what the index stores: cosine rows normalised in float32, then rounded."""
+    x = x.astype(np.float32)
+    if metric == "cosine":
+        nrm = np.linalg.norm(x, axis=1, keepdims=True)
+        x = x / np.where(nrm > 0, nrm, 1)
+    t = torch.from_numpy(np.ascontiguousarray(x)).to(getattr(torch, _TORCH_DTYPE[dtype]))
+    return t.double().numpy()
+
+
+def ref_scores(metric: str, dtype: str, x: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """[nq, n] float64: inner products (ip, cosine) or squared distances (l2)."""
+    xs = stored_vectors(metric, dtype, x)
+    qd = q.astype(np.float64)
+    if metric == "cosine":
+        qd = qd / np.linalg.norm(qd, axis=1, keepdims=True)
+    if metric == "l2":
+        return (qd**2).sum(1)[:, None] - 2 * qd @ xs.T + (xs**2).sum(1)[None, :]
+    return qd @ xs.T
+
+
+def tolerance(metric: str, dtype: str, x: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """[nq] bound on |kernel score - reference|: the query is rounded to the storage dtype for
+    the dot (|dq.x| <= u |q| |x|), plus fp32 accumulation; l2 adds fp32 cancellation."""
+    xs = stored_vectors(metric, dtype, x)
+    xn = float(np.linalg.norm(xs, axis=1).max()) if len(xs) else 0.0
+    qn = np.linalg.norm(q.astype(np.float64), axis=1)
+    if metric == "cosine":
+        qn = np.ones_like(qn)
+    u = _UNIT_ROUNDOFF[dtype]
+    tol = (2 * u + 2e-4) * qn * xn + 1e-6
+    if metric == "l2":
+        tol = 2 * tol + 1e-5 * (qn**2 + xn**2)
+    return tol
+
+
+def check_search(idx, x, ids, scopes, q, k, scope=None):
+    """Search through the device path with poisoned outputs and hold the answer against the
+    float64 reference over the live items that match ``scope``."""
+    q = np.atleast_2d(np.asarray(q, dtype=np.float32))
+    nq = len(q)
+    qt = torch.from_numpy(q).to(idx.device)
+    s_out = torch.full((nq, k), float("nan"), dtype=torch.float32, device=idx.device)
+    i_out = torch.full((nq, k), -7, dtype=torch.int64, device=idx.device)
+    idx.search_device(qt, k, scope=scope, out=(s_out, i_out))
+    s, got = s_out.cpu().numpy(), i_out.cpu().numpy()
+    assert not np.isnan(s).any(), "an output score was not written"
+    assert not (got == -7).any(), "an output id was not written"
+    # the host path must agree exactly
+    _, got_host = idx.search(q, k, scope=scope)
+    np.testing.assert_array_equal(got_host, got)
+
+    ascending = idx.metric == "l2"
+    ref = ref_scores(idx.metric, idx.dtype, x, q)
+    tol = tolerance(idx.metric, idx.dtype, x, q)
+    match = np.ones(len(ids), dtype=bool)
+    if scope is not None and scopes is not None:
+        for f in range(3):
+            if scope[f] != 0:
+                match &= scopes[:, f] == scope[f]
+    for i in range(nq):
+        cand, cid = ref[i][match], np.asarray(ids)[match]
+        kk = min(k, len(cand))
+        valid = got[i, :kk]
+        assert (got[i, kk:] == -1).all(), "missing results must be id -1"
+        assert (s[i, kk:] == (np.inf if ascending else -np.inf)).all()
+        assert -1 not in valid.tolist() and len(set(valid.tolist())) == kk, "duplicate or -1 id"
+        ref_of = dict(zip(cid.tolist(), cand.tolist(), strict=True))
+        assert all(j in ref_of for j in valid.tolist()), "returned a removed or filtered item"
+        r = np.array([ref_of[j] for j in valid.tolist()])
+        assert np.all(np.abs(s[i, :kk] - r) <= tol[i]), (s[i, :kk], r, tol[i])
+        step = np.diff(s[i, :kk])
+        assert np.all(step >= 0) if ascending else np.all(step <= 0), "not sorted"
+        if kk:
+            srt = np.sort(cand) if ascending else -np.sort(-cand)
+            kth = srt[kk - 1]
+            if ascending:
+                must, ok = cid[cand < kth - tol[i]], r <= kth + tol[i]
+            else:
+                must, ok = cid[cand > kth + tol[i]], r >= kth - tol[i]
+            assert set(must.tolist()) <= set(valid.tolist()), "missed a true top-k item"
+            assert ok.all(), "returned an item outside the top-k (beyond ties)"
+
+
+def test_parse_spec():
+    assert parse_spec("cuda:flat,fp16") == ("cuda", "fp16")
+    assert parse_spec("cuda:flat") == ("cuda", "fp16")
+    assert parse_spec("cuda:1:flat,bf16") == ("cuda:1", "bf16")
+    assert parse_spec("cuda:flat,fp32") == ("cuda", "fp32")
+
+
+@pytest.mark.parametrize(
+    "metric,dtype,dim,n,nq,k",
+    [
+        ("ip", "fp16", 64, 700, 1, 10),
+        ("ip", "fp16", 64, 300, 3, 1),
+        ("cosine", "bf16", 96, 400, 1, 7),
+        ("l2", "fp32", 128, 300, 2, 16),
+        ("ip", "fp16", 1024, 120, 1, 10),
+        ("l2", "fp16", 200, 260, 5, 33),
+    ],
+)
+def test_search_matches_float64_reference(metric, dtype, dim, n, nq, k):
+    rng = np.random.default_rng(hash((metric, dtype, dim, n, nq, k)) % 2**32)
+    idx = make_index(metric, dtype, dim, "cpu")
+    x = rng.standard_normal((n, dim)).astype(np.float32)
+    ids = rng.permutation(10 * n)[:n].astype(np.int64) + 1
+    idx.add(x, ids)
+    assert len(idx) == n
+    q = rng.standard_normal((nq, dim)).astype(np.float32)
+    check_search(idx, x, ids, None, q, k)
+
+
+def test_device_path_writes_every_output_and_k_above_n():
+    rng = np.random.default_rng(1)
+    idx = make_index("ip", "fp16", 64, "cpu")
+    x = rng.standard_normal((5, 64)).astype(np.float32)
+    idx.add(x, np.arange(5, dtype=np.int64) + 100)
+    q = torch.from_numpy(rng.standard_normal((2, 64)).astype(np.float32))
+    scores = torch.full((2, 10), float("nan"))
+    out_ids = torch.full((2, 10), -7, dtype=torch.int64)
+    idx.search_device(q, 10, out=(scores, out_ids))
+    assert not torch.isnan(scores).any() and not (out_ids == -7).any()
+    assert (out_ids[:, 5:] == -1).all() and torch.isinf(scores[:, 5:]).all()
+    assert (scores[:, 5:] < 0).all()
+    assert sorted(out_ids[0, :5].tolist()) == [100, 101, 102, 103, 104]
+    check_search(idx, x, np.arange(5) + 100, None, q.numpy(), 10)
+    # l2 pads with +inf
+    idx2 = make_index("l2", "fp16", 64, "cpu")
+    idx2.add(x[:3], np.arange(3, dtype=np.int64))
+    s, i = idx2.search(q.numpy(), 4)
+    assert (i[:, 3] == -1).all() and (s[:, 3] == np.inf).all()
+
+
+def test_ties_duplicates_and_large_k_general_path():
+    rng = np.random.default_rng(2)
+    dim = 64
+    idx = make_index("ip", "fp16", dim, "cpu")
+    base = rng.standard_normal((600, dim)).astype(np.float32)
+    q = rng.standard_normal((1, dim)).astype(np.float32)
+    base[:40] = 10 * q[0] / np.linalg.norm(q[0])  # 40 exact duplicates, far above the rest
+    ids = np.arange(600, dtype=np.int64) * 3 + 7
+    idx.add(base, ids)
+    s, got = idx.search(q, 10)
+    assert set(got[0].tolist()) <= set(ids[:40].tolist())
+    assert np.allclose(s[0], s[0, 0])
+    # k beyond the fast path's per-program list (KP 512 > 256): the general path
+    check_search(idx, base, ids, None, q, 300)
+    # batch with k = 100 (KP 128 > 64 for batches): the general path too
+    q2 = rng.standard_normal((2, dim)).astype(np.float32)
+    check_search(idx, base, ids, None, q2, 100)
+
+
+def test_launch_shapes_fma_noskip_and_survivor_overflow():
+    """The same answers from the FMA scorer; without the threshold skip, with so many programs
+    that the survivor list overflows (the merge then sorts every program's list); with more
+    programs than k (the group-best bound)."""
+    from kalos.index.kernels import ScanConfig
+
+    rng = np.random.default_rng(9)
+    dim = 64
+    x = rng.standard_normal((900, dim)).astype(np.float32)
+    ids = np.arange(900, dtype=np.int64) + 1
+    q = rng.standard_normal((1, dim)).astype(np.float32)
+    for cfg in [
+        ScanConfig(
+            block_n=32, num_warps=4, num_stages=1, use_dot=False, skip=True, programs_per_sm=3
+        ),
+        ScanConfig(
+            block_n=16, num_warps=4, num_stages=1, use_dot=True, skip=False, programs_per_sm=20
+        ),
+        # more programs than k: the group-best bound takes part
+        ScanConfig(
+            block_n=16, num_warps=4, num_stages=1, use_dot=True, skip=True, programs_per_sm=24
+        ),
+    ]:
+        idx = make_index("ip", "fp16", dim, "cpu")
+        idx.scan_config = cfg
+        idx.add(x, ids)
+        check_search(idx, x, ids, None, q, 10)
+
+
+def test_group_bound_needs_k_groups():
+    """The skip bound from group bests must take k groups: here the best 8 rows lie one per
+    group 0..7 and the 9th and 10th in a program that runs last (the interpreter runs programs
+    in order), so a bound over fewer groups would skip them."""
+    from kalos.index.kernels import ScanConfig
+
+    dim, bn, programs = 64, 16, 24
+    rng = np.random.default_rng(10)
+    x = rng.standard_normal((900, dim)).astype(np.float32)
+    for p in range(8):
+        x[p * bn + 3, 0] = 100 - p  # program p's first tile
+    x[23 * bn + 5, 0] = 90  # program 23: tiles 23 and 47
+    x[47 * bn + 5, 0] = 89
+    q = np.zeros((1, dim), dtype=np.float32)
+    q[0, 0] = 1
+    ids = np.arange(900, dtype=np.int64) + 1
+    idx = make_index("ip", "fp16", dim, "cpu")
+    idx.scan_config = ScanConfig(
+        block_n=bn, num_warps=4, num_stages=1, use_dot=True, skip=True, programs_per_sm=programs
+    )
+    idx.add(x, ids)
+    _, got = idx.search(q, 10)
+    assert {23 * bn + 6, 47 * bn + 6} <= set(got[0].tolist())
+    check_search(idx, x, ids, None, q, 10)
+
+
+def test_k_1024_and_more_than_n():
+    rng = np.random.default_rng(3)
+    idx = make_index("cosine", "fp16", 64, "cpu")
+    x = rng.standard_normal((1100, 64)).astype(np.float32)
+    ids = np.arange(1100, dtype=np.int64)
+    idx.add(x, ids)
+    q = rng.standard_normal((1, 64)).astype(np.float32)
+    check_search(idx, x, ids, None, q, 1024)
+    idx2 = make_index("ip", "fp16", 64, "cpu")
+    idx2.add(x[:700], ids[:700])
+    check_search(idx2, x[:700], ids[:700], None, q, 1024)
+
+
+def test_scope_filter_is_applied_in_kernel():
+    rng = np.random.default_rng(4)
+    n, dim = 500, 64
+    idx = make_index("ip", "fp16", dim, "cpu")
+    x = rng.standard_normal((n, dim)).astype(np.float32)
+    ids = np.arange(n, dtype=np.int64) + 1000
+    scopes = np.stack(
+        [rng.integers(1, 3, n), rng.integers(1, 4, n), rng.integers(1, 6, n)], axis=1
+    ).astype(np.int64)
+    idx.add(x, ids, scopes)
+    q = rng.standard_normal((2, dim)).astype(np.float32)
+    for scope in [(1, 0, 0), (2, 3, 0), (1, 2, 4), (0, 0, 5), (9, 0, 0)]:
+        check_search(idx, x, ids, scopes, q, 10, scope=scope)
+    check_search(idx, x, ids, scopes, q, 10, scope=(0, 0, 0))
+
+
+def test_remove_and_upsert():
+    rng = np.random.default_rng(5)
+    n, dim = 400, 64
+    idx = make_index("ip", "fp16", dim, "cpu")
+    x = rng.standard_normal((n, dim)).astype(np.float32)
+    ids = np.arange(n, dtype=np.int64) * 2 + 1
+    scopes = np.zeros((n, 3), dtype=np.int64)
+    idx.add(x, ids, scopes)
+    q = rng.standard_normal((1, dim)).astype(np.float32)
+    _, best = idx.search(q, 20)
+    gone = np.concatenate([best[0, :10], ids[:50], [999_999]])  # the best, the first rows, unknown
+    removed = idx.remove(gone)
+    assert removed == len(set(gone.tolist())) - 1
+    keep = ~np.isin(ids, gone)
+    assert len(idx) == keep.sum()
+    s, got = idx.search(q, 20)
+    assert not np.isin(got, gone).any()
+    check_search(idx, x[keep], ids[keep], scopes[keep], q, 20)
+    with pytest.raises(NotFound):
+        idx.reconstruct(gone[:1])
+    assert idx.remove(gone) == 0
+    # upsert: an existing id gets a new vector (in place), the last one in a batch wins
+    x2 = x[keep].copy()
+    ids2 = ids[keep]
+    target = ids2[7]
+    new_vec = (5 * q[0] / np.linalg.norm(q[0])).astype(np.float32)
+    idx.add(
+        np.stack([rng.standard_normal(dim), new_vec]).astype(np.float32),
+        np.array([target, target], dtype=np.int64),
+    )
+    x2[7] = new_vec
+    assert len(idx) == keep.sum()
+    s, got = idx.search(q, 5)
+    assert got[0, 0] == target
+    check_search(idx, x2, ids2, None, q, 5)
+    np.testing.assert_allclose(idx.reconstruct([target])[0], new_vec, rtol=1e-3, atol=1e-3)
+    d_ids, d_vecs, d_scopes = idx.dump()
+    order = np.argsort(d_ids)
+    ref_order = np.argsort(ids2)
+    np.testing.assert_array_equal(d_ids[order], ids2[ref_order])
+    np.testing.assert_allclose(d_vecs[order], x2[ref_order], rtol=1e-3, atol=2e-3)
+    assert d_scopes.shape == (len(ids2), 3)
+    idx.reset()
+    assert len(idx) == 0
+    s, got = idx.search(q, 3)
+    assert (got == -1).all() and (s == -np.inf).all()
+
+
+def test_growth_keeps_contents():
+    rng = np.random.default_rng(6)
+    dim = 64
+    idx = make_index("l2", "fp16", dim, "cpu")
+    xs, all_ids = [], []
+    for step in range(3):
+        x = rng.standard_normal((700, dim)).astype(np.float32)
+        ids = np.arange(700, dtype=np.int64) + 10_000 * step
+        gen = idx.generation
+        idx.add(x, ids)
+        xs.append(x)
+        all_ids.append(ids)
+        if step == 1:
+            assert idx.generation != gen  # 1400 rows outgrew the first 1024
+    assert idx.capacity >= 2100
+    q = rng.standard_normal((1, dim)).astype(np.float32)
+    check_search(idx, np.concatenate(xs), np.concatenate(all_ids), None, q, 10)
+
+
+def test_graph_api_on_cpu_runs_the_same_search():
+    rng = np.random.default_rng(7)
+    dim = 64
+    idx = make_index("ip", "fp16", dim, "cpu")
+    x = rng.standard_normal((300, dim)).astype(np.float32)
+    ids = np.arange(300, dtype=np.int64)
+    scopes = np.stack([np.ones(300), rng.integers(1, 3, 300), np.zeros(300)], 1).astype(np.int64)
+    idx.add(x, ids, scopes)
+    g = idx.graph(1, 10, scope_active=True)
+    q = rng.standard_normal((1, dim)).astype(np.float32)
+    g.query.copy_(torch.from_numpy(q))
+    g.scope.copy_(torch.tensor([1, 2, 0]))
+    g.scores.fill_(float("nan"))
+    g.replay()
+    s_ref, i_ref = idx.search(q, 10, scope=(1, 2, 0))
+    np.testing.assert_array_equal(g.ids.numpy(), i_ref)
+    np.testing.assert_allclose(g.scores.numpy(), s_ref)
+    # an add within capacity: same graph, sees the new row
+    best = (4 * q[0] / np.linalg.norm(q[0])).astype(np.float32)
+    idx.add(best[None], np.array([5000], dtype=np.int64), np.array([[1, 2, 9]]))
+    g.replay()
+    assert g.ids[0, 0].item() == 5000
+
+
+def test_validation_errors():
+    idx = make_index("ip", "fp16", 64, "cpu")
+    x = np.ones((2, 64), dtype=np.float32)
+    with pytest.raises(InvalidRequest):
+        idx.add(np.ones((2, 63), dtype=np.float32), np.array([1, 2]))
+    with pytest.raises(InvalidRequest):
+        idx.add(np.full((2, 64), np.nan, dtype=np.float32), np.array([1, 2]))
+    with pytest.raises(InvalidRequest):
+        idx.add(x, np.array([1, -1]))
+    with pytest.raises(InvalidRequest):
+        idx.add(x, np.array([1, 2, 3]))
+    with pytest.raises(InvalidRequest):
+        idx.add(x * 1e6, np.array([1, 2]))  # beyond fp16
+    with pytest.raises(InvalidRequest):
+        idx.add(x, np.array([1, 2]), np.zeros((2, 2), dtype=np.int64))
+    idx.add(x, np.array([1, 2]))
+    for bad_k in (0, 1025, -3, 2.5):
+        with pytest.raises(InvalidRequest):
+            idx.search(x[:1], bad_k)
+    with pytest.raises(InvalidRequest):
+        idx.search(np.ones((1, 65), dtype=np.float32), 1)
+    with pytest.raises(InvalidRequest):
+        idx.search(np.array([[np.inf] * 64], dtype=np.float32), 1)
+    with pytest.raises(InvalidRequest):
+        idx.search(x[:1], 1, scope=(1, 2))
+    assert idx.search(x[0], 1)[1].shape == (1, 1)  # a 1-D query is a batch of one
+
+
+def test_reference_helper_sanity():
+    # the checker must be able to fail: a wrong answer is caught
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((50, 16)).astype(np.float32)
+    q = rng.standard_normal((1, 16)).astype(np.float32)
+    ref = ref_scores("ip", "fp16", x, q)
+    assert ref.shape == (1, 50)
