@@ -1,13 +1,14 @@
 """Conformance and isolation kits for tests and benchmarks.
 
 ``isolated_sidecar(...)`` starts a real sidecar process (``python -m kalos serve``) with its
-own private socket directory, waits until it accepts clients, and stops it (SIGTERM, then
-SIGKILL) on exit.
+own private socket directory, waits until it accepts clients (with ``--data-dir``: until it
+finished recovering), and stops it (SIGTERM, then SIGKILL) on exit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import subprocess
@@ -58,6 +59,34 @@ def wait_for_socket(path: str, process: subprocess.Popen, timeout: float = 30.0)
         time.sleep(0.01)
 
 
+def wait_ready(path: str, process: subprocess.Popen, timeout: float = 120.0) -> None:
+    """Waits until the sidecar at ``path`` completes a handshake.
+
+    While it recovers its data a sidecar holds handshakes, then refuses them as "starting";
+    this retries until one succeeds (it counts as one connect in the sidecar's stats).
+    """
+    from kalos.protocol import layout as L
+    from kalos.transport.handshake import client_hello
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            sock, _, fds = client_hello(path, "uds", L.MIN_ARENA_BYTES, timeout=10.0)
+        except ConnectError as exc:
+            if process.poll() is not None:
+                raise ConnectError(
+                    f"the sidecar exited with code {process.returncode} at start"
+                ) from exc
+            if "starting" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+            continue
+        sock.close()
+        for fd in fds:
+            os.close(fd)
+        return
+
+
 def _accepts(path: str) -> bool:
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -102,6 +131,8 @@ def isolated_sidecar(
         sidecar = RunningSidecar(name, runtime_dir, proc)
         try:
             wait_for_socket(sidecar.socket, proc)
+            if "--data-dir" in extra_args:
+                wait_ready(sidecar.socket, proc)
             yield sidecar
         finally:
             if proc.poll() is None:

@@ -147,12 +147,15 @@ class Durability:
     # -- serving -------------------------------------------------------------------------------
 
     def handle(
-        self, op: int, flags: int, body: np.ndarray, out: np.ndarray
+        self, op: int, flags: int, body: np.ndarray, out: np.ndarray, **options: Any
     ) -> tuple[int, int, int, int]:
-        """Dispatcher.handle, logging a successful write (see the class docstring)."""
+        """Dispatcher.handle, logging a successful write (see the class docstring).
+
+        ``options`` go to the dispatcher as they are (e.g. a channel's GPU buffer).
+        """
         self.last_lsn = 0
         if op not in WRITE_OPS:
-            return self.dispatcher.handle(op, flags, body, out)
+            return self.dispatcher.handle(op, flags, body, out, **options)
         wal = self.wal
         if wal.refusal():
             wal.retry()
@@ -161,7 +164,9 @@ class Durability:
                 self.refused_writes += 1
                 return Status.SERVER_ERROR, encode_text(out, refusal), 0, 0
         now = time.time_ns()
-        status, n, compute_ns, write_ns = self.dispatcher.handle(op, flags, body, out, now_ns=now)
+        status, n, compute_ns, write_ns = self.dispatcher.handle(
+            op, flags, body, out, now_ns=now, **options
+        )
         if status == Status.OK:
             try:
                 self.last_lsn = wal.append(op, flags, body, now)

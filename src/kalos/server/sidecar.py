@@ -82,11 +82,17 @@ class Sidecar:
         self.durability: Durability | None = None
         handle: Callable[..., tuple[int, int, int, int]] = self.dispatcher.handle
         if config.data_dir is not None:
+            # Snapshots hold every store the dispatcher serves.
+            stores = {
+                name: getattr(self.dispatcher, name)
+                for name in ("memories", "sessions", "state")
+                if hasattr(self.dispatcher, name)
+            }
             self.durability = Durability(
                 config.data_dir,
                 self.dispatcher,
                 self.lock,
-                {"memories": self.memories},
+                stores,
                 policy=FsyncPolicy.parse(config.fsync),
                 snapshot_bytes=config.snapshot_bytes,
                 segment_bytes=config.wal_segment_bytes,

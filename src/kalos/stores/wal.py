@@ -168,10 +168,15 @@ def _scan(data: np.ndarray, start: int) -> Iterator[tuple[int, Record]]:
         yield min(off, end), Record(lsn, time_ns, op, flags, body)
 
 
+# The two system calls the log's durability rests on (module functions: tests inject faults).
 def _write_all(fd: int, data: memoryview) -> None:
     while data:
         n = os.write(fd, data)
         data = data[n:]
+
+
+def _fdatasync(fd: int) -> None:
+    os.fdatasync(fd)
 
 
 class WriteAheadLog:
@@ -396,7 +401,7 @@ class WriteAheadLog:
             records = last - self._synced
             if sync and last > self._synced:
                 try:
-                    os.fdatasync(self._fd)
+                    _fdatasync(self._fd)
                 except OSError as exc:
                     self._sync_failed(last, exc)
                     return
@@ -409,6 +414,7 @@ class WriteAheadLog:
                 if sync or self.policy.kind != "always":
                     self._durable = max(self._durable, last)
                 self._error = ""
+                self._retry_at = 0.0
                 self._cond.notify_all()
             if self._pos >= self.segment_bytes and last >= first_unwritten:
                 self._rotate_locked()
@@ -462,7 +468,7 @@ class WriteAheadLog:
                     not self._buf or self._fatal or time.monotonic() < self._retry_at
                 ):
                     wait = None
-                    if self._error and self._buf:
+                    if self._buf and not self._fatal:  # waiting out a failure's back-off
                         wait = max(0.0, self._retry_at - time.monotonic())
                     self._cond.wait(wait)
                 if self._closing:
@@ -484,7 +490,7 @@ class WriteAheadLog:
                     continue
                 last = self._written
                 try:
-                    os.fdatasync(self._fd)
+                    _fdatasync(self._fd)
                 except OSError as exc:
                     self._sync_failed(last, exc)
                     continue

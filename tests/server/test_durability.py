@@ -1,0 +1,205 @@
+"""Durability through a real sidecar: restarts, snapshots, readiness, a full disk, misuse."""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kalos
+from conftest import DIM, TIMEOUT
+from kalos.errors import ConnectError
+from kalos.server import Sidecar, SidecarConfig
+from kalos.testing import RunningSidecar, wait_for_socket, wait_ready
+
+Start = Callable[..., RunningSidecar]
+
+
+def vectors(ids: list[int]) -> np.ndarray:
+    return np.stack([np.random.default_rng(i).standard_normal(DIM) for i in ids]).astype(np.float32)
+
+
+def present(client: kalos.Client, ids: list[int]) -> dict[int, str | None]:
+    """id -> payload of the items found by searching for their own vectors (l2)."""
+    r = client.search(vectors(ids), k=1)
+    assert r.payloads is not None
+    return {
+        item: (r.payloads[j] if int(r.ids[j, 0]) == item and r.scores[j, 0] < 1e-6 else None)  # type: ignore[misc]
+        for j, item in enumerate(ids)
+    }
+
+
+def durable(sidecar: Start, data: Path, *extra: str, name: str = "durable") -> RunningSidecar:
+    return sidecar(metric="l2", name=name, extra_args=("--data-dir", str(data), *extra))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+@pytest.mark.parametrize("transport", ["shm", "uds"])
+def test_writes_survive_a_restart(sidecar: Start, tmp_path: Path, sig: int, transport: str) -> None:
+    data = tmp_path / "data"
+    sc = durable(sidecar, data)
+    client = sc.connect(transport=transport, timeout=TIMEOUT)
+    ids = list(range(1, 41))
+    for i in range(0, 40, 4):
+        client.add(vectors(ids[i : i + 4]), ids[i : i + 4], [f"p{j}" for j in ids[i : i + 4]])
+    client.remove([5, 6])
+    client.add(vectors([7]), [7], ["replaced"])
+    client.close()
+    sc.stop(sig, timeout=TIMEOUT)
+
+    sc = durable(sidecar, data)
+    with sc.connect(timeout=TIMEOUT) as client:
+        got = present(client, ids)
+        stats = client.stats()
+    want = {i: None if i in (5, 6) else "replaced" if i == 7 else f"p{i}" for i in ids}
+    assert got == want
+    assert stats["items"] == 38
+    recovery = stats["durability"]["recovery"]
+    if sig == signal.SIGTERM:  # a clean stop snapshots: nothing left to replay
+        assert recovery["snapshot_lsn"] == 12 and recovery["records_replayed"] == 0
+        assert [p.name for p in data.iterdir() if p.name.startswith("snap-")] == [
+            "snap-00000000000000000012"
+        ]
+    else:
+        assert recovery["records_replayed"] == 12
+
+
+def test_snapshots_bound_the_log(sidecar: Start, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    sc = durable(sidecar, data, "--snapshot-mb", "0.01")  # every ~10 KiB of log
+    client = sc.connect(timeout=TIMEOUT)
+    for i in range(1, 301):
+        client.add(vectors([i]), [i], f"p{i}")
+    stats = client.stats()["durability"]
+    assert stats["snapshot_lsn"] > 200  # snapshots were taken along the way
+    assert stats["last_snapshot"]["segments_deleted"] >= 1
+    client.close()
+    segments = os.listdir(data / "wal")
+    assert len(segments) <= 2  # the covered ones are gone
+    sc.stop(signal.SIGKILL)
+
+    sc = durable(sidecar, data)
+    with sc.connect(timeout=TIMEOUT) as client:
+        assert present(client, list(range(1, 301))) == {i: f"p{i}" for i in range(1, 301)}
+        recovery = client.stats()["durability"]["recovery"]
+    assert recovery["snapshot_lsn"] + recovery["records_replayed"] == 300
+
+
+def test_clients_wait_or_are_told_while_it_recovers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = SidecarConfig(
+        name="starting", dim=DIM, runtime_dir=str(tmp_path / "run"), data_dir=str(tmp_path / "d")
+    )
+    sc = Sidecar(config)
+    assert sc.durability is not None
+    release = threading.Event()
+    recover = sc.durability.recover
+
+    def slow_recovery() -> dict:
+        assert release.wait(TIMEOUT)
+        return recover()
+
+    monkeypatch.setattr(sc.durability, "recover", slow_recovery)
+    starter = threading.Thread(target=sc.start)
+    starter.start()
+    try:
+        while not os.path.exists(sc.path):
+            starter.join(0.01)
+        with pytest.raises(ConnectError, match="starting"):
+            kalos.connect("starting", runtime_dir=config.runtime_dir, timeout=TIMEOUT)
+        release.set()
+        starter.join(TIMEOUT)
+        with kalos.connect("starting", runtime_dir=config.runtime_dir, timeout=TIMEOUT) as c:
+            c.add(np.ones(DIM), 1)
+    finally:
+        release.set()
+        starter.join(TIMEOUT)
+        sc.stop()
+
+
+def test_a_full_disk_refuses_writes_and_serves_reads(tmp_path: Path) -> None:
+    data, run = tmp_path / "data", tmp_path / "run"
+    run.mkdir(mode=0o700)
+    cmd = [
+        sys.executable, "-m", "kalos", "serve", "--name", "full", "--dim", str(DIM),
+        "--metric", "l2", "--runtime-dir", str(run), "--data-dir", str(data),
+        "--snapshot-mb", "1000",
+    ]  # fmt: skip
+
+    def small_files() -> None:  # files beyond 64 KiB fail with EFBIG, as on a full disk
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+
+    proc = subprocess.Popen(cmd, preexec_fn=small_files, stderr=subprocess.DEVNULL)
+    sock = str(run / "full.sock")
+    acked: list[int] = []
+    try:
+        wait_for_socket(sock, proc)
+        wait_ready(sock, proc)
+        # uds: the limit also applies to the memfd of a shm channel
+        with kalos.connect(
+            "full", runtime_dir=str(run), timeout=TIMEOUT, transport="uds"
+        ) as client:
+            with pytest.raises(kalos.ServerError, match="disk full"):
+                for i in range(1, 10_000):
+                    client.add(vectors([i]), [i], "x" * 100)
+                    acked.append(i)
+            failed = len(acked) + 1
+            assert acked, "the limit left no room at all"
+            with pytest.raises(kalos.ServerError, match="disk full"):  # still full: refused
+                client.add(vectors([failed + 1]), [failed + 1], "y")
+            assert present(client, acked[-3:]) == {i: "x" * 100 for i in acked[-3:]}
+            stats = client.stats()["durability"]
+            assert stats["error"].startswith("disk full") and stats["refused_writes"] >= 1
+    finally:
+        proc.kill()
+        proc.wait()
+
+    proc = subprocess.Popen([*cmd[:-2]], stderr=subprocess.DEVNULL)  # room again
+    try:
+        wait_for_socket(sock, proc)
+        wait_ready(sock, proc)
+        with kalos.connect("full", runtime_dir=str(run), timeout=TIMEOUT) as client:
+            got = present(client, [*acked, failed, failed + 1])
+            assert all(got[i] == "x" * 100 for i in acked)  # every acknowledged write
+            assert got[failed + 1] is None  # refused before it was applied
+            client.add(vectors([failed + 2]), [failed + 2], "z")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(TIMEOUT)
+
+
+def test_a_data_dir_keeps_its_dimension(sidecar: Start, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    sc = durable(sidecar, data)
+    with sc.connect(timeout=TIMEOUT) as client:
+        client.add(vectors([1]), [1])
+    sc.stop()
+    proc = subprocess.run(
+        [sys.executable, "-m", "kalos", "serve", "--name", "other", "--dim", str(DIM + 1),
+         "--runtime-dir", str(tmp_path / "run"), "--data-dir", str(data)],
+        capture_output=True, text=True, timeout=TIMEOUT,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert f"dim={DIM}" in proc.stderr and f"dim={DIM + 1}" in proc.stderr
+
+
+def test_one_sidecar_per_data_dir(sidecar: Start, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    durable(sidecar, data)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kalos", "serve", "--name", "second", "--dim", str(DIM),
+         "--metric", "l2", "--runtime-dir", str(tmp_path / "run"), "--data-dir", str(data)],
+        capture_output=True, text=True, timeout=TIMEOUT,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "another sidecar is using the data directory" in proc.stderr
