@@ -110,6 +110,15 @@ def test_context_is_a_view_unless_copied(backend: Callable[..., Backend]) -> Non
     assert turns == [("user", "x")]  # turns are always owned
 
 
+def test_context_without_turns(backend: Callable[..., Backend]) -> None:
+    client = backend().connect()
+    client.append_turn("s", "system", "sys", [9], pin=True)
+    client.append_turn("s", "user", "x" * 1000, [1, 2, 3])
+    ctx = client.context("s", 10, turns=False)
+    assert ctx.tokens.tolist() == [9, 1, 2, 3] and ctx.turns is None and ctx.system
+    assert client.context("s", 3, turns=False, copy=True).tokens.tolist() == [9]  # 3 does not fit
+
+
 def test_context_larger_than_the_arena(backend: Callable[..., Backend]) -> None:
     client = backend().connect(arena_bytes=L.MIN_ARENA_BYTES)
     for k in range(3):

@@ -84,7 +84,7 @@ def test_context_response_golden_layout() -> None:
     meta = struct.pack("<IIII", 1, 1, 2, 0)
     n = M.encode_context_response(buf, tokens, meta, b"ux", system)
     expected = (
-        struct.pack("<IIII", 2, 3, 1, 0)
+        struct.pack("<IIII", 2, 3, 1, 1)
         + struct.pack("<iii", 7, 1, 2) + b"\0" * 4  # tokens padded to 8
         + struct.pack("<IIII", 1, 2, 1, 0) + struct.pack("<IIII", 1, 1, 2, 0)
         + b"Sabux"
@@ -94,6 +94,18 @@ def test_context_response_golden_layout() -> None:
     assert tokens.tolist() == [7, 1, 2] and has_system
     assert M.split_turns(meta, text) == [("S", "ab"), ("u", "x")]
     assert M.turn_token_counts(meta).tolist() == [1, 2]
+
+
+def test_context_response_without_turns_is_the_token_ids_alone() -> None:
+    buf = np.full(64, 0xEE, np.uint8)
+    system = (1, struct.pack("<i", 7), struct.pack("<IIII", 1, 2, 1, 0), b"Sab")
+    tokens = memoryview(np.array([1, 2], np.int32)).cast("B")
+    meta = struct.pack("<IIII", 1, 1, 2, 0)
+    n = M.encode_context_response(buf, tokens, meta, b"ux", system, turns=False)
+    assert buf[:n].tobytes() == struct.pack("<IIIIiii", 2, 3, 1, 0, 7, 1, 2)
+    got, meta_b, text_b, has_system = M.decode_context_response(buf, n)
+    assert got.tolist() == [7, 1, 2] and has_system and meta_b is None and text_b is None
+    assert {f.name: int(f) for f in codes.ContextFlag} == {"TURNS": 1}
 
 
 # -- round trips ------------------------------------------------------------------------------

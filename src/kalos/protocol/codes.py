@@ -74,6 +74,12 @@ class AppendFlag(enum.IntFlag):
     ROLLING = 8
 
 
+class ContextFlag(enum.IntFlag):
+    """CONTEXT request flags."""
+
+    TURNS = 1  # each turn's role and text too; without it only the token ids come back
+
+
 _STATUS_ERRORS: dict[int, type[errors.KalosError]] = {
     Status.INVALID_REQUEST: errors.InvalidRequest,
     Status.UNKNOWN_OP: errors.InvalidRequest,

@@ -492,9 +492,10 @@ def decode_append_turn(buf: np.ndarray, end: int, flags: int) -> AppendTurnReque
 
 
 # CONTEXT: u32 max_tokens, u32 max_turns (NO_LIMIT: none), u64 0, scope block (filter;
-# session = the session id). Response: u32 n_turns, u32 n_tokens, u32 has_system, u32 0,
-# i32 tokens[n_tokens] padded to 8, u32 meta[n_turns][4] (role bytes, text bytes, tokens, 0),
-# then each turn's role and text bytes. The system prompt, when included, is turn 0.
+# session = the session id). Response: u32 n_turns, u32 n_tokens, u32 has_system,
+# u32 has_turns, i32 tokens[n_tokens], and with has_turns (request flag ContextFlag.TURNS):
+# padding to 8, u32 meta[n_turns][4] (role bytes, text bytes, tokens, 0), then each turn's
+# role and text bytes. The system prompt, when included, is turn 0.
 
 
 def encode_context(
@@ -546,22 +547,31 @@ def encode_context_response(
     meta: memoryview | bytes,
     text: memoryview | bytes,
     system: tuple[int, bytes, bytes, bytes] | None,
+    turns: bool = True,
 ) -> int:
     """Writes a CONTEXT response, one copy per piece: the system prompt's (n_tokens, tokens,
-    meta, text) first, when given, then the turns' tokens (int32 as bytes), meta (uint32
-    [m, 4] as bytes) and text."""
+    meta, text) first, when given, then the turns' tokens (int32 as bytes) and, with
+    ``turns``, their meta (uint32 [m, 4] as bytes) and text."""
     nt, nm, nx = len(tokens), len(meta), len(text)  # bytes
     st = sm = sx = 0
     if system is not None:
         st, sm, sx = len(system[1]), 16, len(system[3])
     tok_end = 16 + st + nt
+    mv = memoryview(buf)
+    if not turns:
+        if tok_end > len(buf):
+            _fit(tok_end, len(buf), "context response")
+        _HEAD4.pack_into(buf, 0, (sm + nm) >> 4, (st + nt) >> 2, sm >> 4, 0)
+        if system is not None:
+            mv[16 : 16 + st] = system[1]
+        mv[16 + st : tok_end] = tokens
+        return tok_end
     meta_at = (tok_end + 7) & ~7
     text_at = meta_at + sm + nm
     size = text_at + sx + nx
     if size > len(buf):
         _fit(size, len(buf), "context response")
-    _HEAD4.pack_into(buf, 0, (sm + nm) >> 4, (st + nt) >> 2, sm >> 4, 0)
-    mv = memoryview(buf)
+    _HEAD4.pack_into(buf, 0, (sm + nm) >> 4, (st + nt) >> 2, sm >> 4, 1)
     if system is not None:
         mv[16 : 16 + st] = system[1]
         mv[meta_at : meta_at + 16] = system[2]
@@ -574,15 +584,19 @@ def encode_context_response(
     return size
 
 
-ContextResponse = tuple[np.ndarray, bytes, bytes, bool]
+ContextResponse = tuple[np.ndarray, "bytes | None", "bytes | None", bool]
 """(tokens: int32 [n_tokens] view into the response, meta: u32 [n_turns][4] copied, text:
-the turns' role and text bytes copied, has_system)."""
+the turns' role and text bytes copied, has_system); meta and text are None when the request
+did not ask for the turns."""
 
 
 def decode_context_response(buf: np.ndarray, end: int) -> ContextResponse:
     _need(16, end)
-    nm, nt, has_system, _ = _HEAD4.unpack_from(buf, 0)
+    nm, nt, has_system, has_turns = _HEAD4.unpack_from(buf, 0)
     tok_end = 16 + 4 * nt
+    if not has_turns:
+        _need(tok_end, end)
+        return np.frombuffer(buf, np.int32, nt, 16), None, None, bool(has_system)
     meta_at = (tok_end + 7) & ~7
     text_at = meta_at + 16 * nm
     _need(text_at, end)

@@ -67,6 +67,7 @@ WRITE_OPS: frozenset[int] = frozenset(
 _PIN_SYSTEM = int(codes.AppendFlag.PIN_SYSTEM)
 _SET_ROLLING = int(codes.AppendFlag.SET_ROLLING)
 _ROLLING = int(codes.AppendFlag.ROLLING)
+_TURNS = int(codes.ContextFlag.TURNS)
 
 
 def status_for(exc: KalosError) -> Status:
@@ -227,7 +228,7 @@ class Dispatcher:
             session, max_tokens, max_turns, now=self.now_ns * 1e-9, scope=scope
         )
         t = _monotonic_ns()
-        n = M.encode_context_response(out, tokens, meta, text, system)
+        n = M.encode_context_response(out, tokens, meta, text, system, bool(flags & _TURNS))
         return n, _monotonic_ns() - t
 
     def _sessions(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
