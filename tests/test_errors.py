@@ -380,6 +380,41 @@ def test_calls_after_close(served: Served) -> None:
         time.sleep(0.05)
 
 
+def test_close_while_another_thread_waits(served: Served) -> None:
+    outcome: list[BaseException | str] = []
+    ready, go = threading.Event(), threading.Event()
+
+    def call() -> None:
+        served.one.ping()  # this thread's channel exists before the sidecar stops
+        ready.set()
+        go.wait()
+        try:
+            served.one.ping(timeout=TIMEOUT)
+            outcome.append("returned")
+        except BaseException as exc:
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=call)
+    waiter.start()
+    ready.wait(TIMEOUT)
+    stop_process(served.sidecar.process.pid)  # so that the ping waits
+    try:
+        go.set()
+        time.sleep(0.3)
+        served.one.close()  # closes every thread's channel, the waiting one's too
+        waiter.join(TIMEOUT / 2)
+    finally:
+        os.kill(served.sidecar.process.pid, signal.SIGCONT)
+    assert not waiter.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], ClosedError), outcome
+    assert_serving_two(served)
+
+
+def assert_serving_two(s: Served) -> None:
+    s.two.ping()
+    assert s.two.search(BASE[3], k=1, scope=Scope("t")).ids.tolist() == [IDS[3]]
+
+
 # -- a stopped or dead sidecar ----------------------------------------------------------------
 
 

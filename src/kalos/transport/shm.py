@@ -123,7 +123,10 @@ class ShmTransport(Transport):
         if _load(self._ctrl_state) == L.STATE_STOPPING:
             return True
         # The sidecar never writes to this socket after the handshake: readable means EOF.
-        readable, _, _ = select.select([self._sock], [], [], 0)
+        try:
+            readable, _, _ = select.select([self._sock], [], [], 0)
+        except ValueError:  # its fd is -1: another thread closed this channel (Client.close)
+            raise ClosedError("this channel was closed while a request was in flight") from None
         return bool(readable)
 
     def close(self) -> None:

@@ -7,6 +7,7 @@ request; the body buffers are allocated once.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from typing import Any
@@ -87,10 +88,14 @@ class UdsTransport(Transport):
             raise RequestTimeout("no response from the sidecar within the deadline") from exc
         except OSError as exc:  # ConnectionError included
             self._broken = True
+            if self._closed:  # by another thread (Client.close) while this request waited
+                raise ClosedError("this channel was closed while a request was in flight") from exc
             raise SidecarGone(f"the sidecar connection failed: {exc}") from exc
         return Response(status, self._resp[:n], queue_ns, compute_ns, write_ns)
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            with contextlib.suppress(OSError):  # wakes a thread blocked in recv on it
+                self._sock.shutdown(socket.SHUT_RDWR)
             self._sock.close()
