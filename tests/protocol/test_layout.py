@@ -183,11 +183,13 @@ def test_channel_size_is_header_page_then_two_arenas() -> None:
     assert L.channel_size(1 << 20) == 2101248
 
 
-def test_headers_fit_their_first_line_and_the_control_segment() -> None:
-    assert L.CTRL_HEADER.size <= 128
-    assert L.CHAN_HEADER.size <= 128
-    assert 264 + 8 <= 4096  # the last control word lies inside CONTROL_SIZE
-    assert 392 + 8 <= 4096  # the last channel word lies inside the header page
+def test_headers_fit_their_first_line_and_every_word_its_page() -> None:
+    assert L.CTRL_HEADER.size <= L.LINE  # the heartbeat line starts after it
+    assert L.CHAN_HEADER.size <= L.LINE  # the request header line starts after it
+    ctrl_words = [v for n, v in GOLDEN_INTS.items() if n.startswith("CTRL_")]
+    chan_words = [v for n, v in GOLDEN_INTS.items() if n.startswith(("CHAN_", "REQ_", "RESP_"))]
+    assert max(ctrl_words) + 8 <= L.CONTROL_SIZE
+    assert max(chan_words) + 8 <= L.CHANNEL_HEADER_SIZE
 
 
 # Who writes each word of the shared memory. The doorbells are the one exception to "different
@@ -301,9 +303,13 @@ def test_append_flags() -> None:
     }  # fmt: skip
 
 
+def test_context_flags() -> None:
+    assert {f.name: int(f) for f in codes.ContextFlag} == {"TURNS": 1}
+
+
 def test_every_code_enum_is_pinned() -> None:
     enums = {n for n, v in vars(codes).items() if isinstance(v, type) and issubclass(v, enum.Enum)}
-    assert enums == {"Op", "Status", "AppendFlag"}
+    assert enums == {"Op", "Status", "AppendFlag", "ContextFlag"}
 
 
 def test_status_codes() -> None:
