@@ -348,7 +348,9 @@ def test_sigkill_loses_no_acknowledged_write(tmp_path: Path) -> None:
             f"\ncrash test (seed {seed}): {KILLS + 1} SIGKILLs, {len(ops)} writes "
             f"({', '.join(f'{v} {k}' for k, v in kinds.items())}), {acked} acknowledged, "
             f"{sum(1 for r in results.values() if r in ('applied', 'not-applied'))} of unknown "
-            f"outcome resolved, {len(half)} half-applied; checked {len(model.ever)} ids, "
+            f"outcome resolved ({sum(1 for r in results.values() if r == 'applied')} applied, "
+            f"{sum(1 for r in results.values() if r == 'not-applied')} not), "
+            f"{len(half)} half-applied; checked {len(model.ever)} ids, "
             f"{len(model.turns)} sessions, {len(model.state)} state keys: {losses} losses"
         )
         assert not half, f"half-applied writes: {[ops[n] for n in half]}"

@@ -97,6 +97,7 @@ class Sidecar:
                 snapshot_bytes=config.snapshot_bytes,
                 segment_bytes=config.wal_segment_bytes,
                 identity={"dim": config.dim, "metric": config.metric},
+                fork=not config.device.startswith("cuda"),  # CUDA does not survive a fork
             )
             handle = self.durability.handle
         self._control_fd = create("kalos-control", L.CONTROL_SIZE)

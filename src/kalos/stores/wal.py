@@ -215,6 +215,7 @@ class WriteAheadLog:
         self._retry_at = 0.0
         self._closing = False
         self._fd = -1
+        self._opened = False  # between open() and close()
         self._pos = 0  # bytes used in the current segment
         self._segment_first = 0
         self._threads: list[threading.Thread] = []
@@ -293,6 +294,7 @@ class WriteAheadLog:
             self._appended = self._written = self._synced = self._durable = next_lsn - 1
         with self._io:
             self._new_segment(self._appended + 1)
+            self._opened = True
         if self.policy.kind == "always":
             self._start(self._flush_loop, "kalos-wal-flush")
         elif self.policy.kind == "interval":
@@ -384,8 +386,14 @@ class WriteAheadLog:
     def _flush(self, *, sync: bool) -> None:
         """Writes the queued batch as one write(), then one fdatasync if ``sync``."""
         with self._io:
-            if self._fd < 0:
+            if not self._opened:
                 return
+            if self._fd < 0:  # the last rotation could not create the next segment: again
+                try:
+                    self._new_segment(self._written + 1)
+                except OSError as exc:
+                    self._write_failed(bytearray(), self._appended, exc)
+                    return
             with self._cond:
                 data, self._buf = self._buf, bytearray()
                 last = self._appended
@@ -473,7 +481,12 @@ class WriteAheadLog:
                     self._cond.wait(wait)
                 if self._closing:
                     return
-            self._flush(sync=True)
+            try:
+                self._flush(sync=True)
+            except Exception as exc:  # a bug: fail the waiting writes rather than hang them
+                log.exception("the write-ahead log's flusher failed")
+                self._sync_failed(self._appended, OSError(0, f"{type(exc).__name__}: {exc}"))
+                return
 
     def _interval_loop(self) -> None:
         period = self.policy.interval_ms / 1e3
@@ -530,7 +543,9 @@ class WriteAheadLog:
     def _rotate_locked(self) -> None:
         self._close_segment()
         self._synced = self._written
-        self._new_segment(self._written + 1)
+        # On failure (disk full) the next flush tries again, its records failing meanwhile.
+        with contextlib.suppress(OSError):
+            self._new_segment(self._written + 1)
 
     def rotate(self) -> int:
         """Syncs everything appended, starts a new segment; returns the last LSN before it.
@@ -567,6 +582,7 @@ class WriteAheadLog:
         for t in self._threads:
             t.join(timeout=10)
         with self._io:
+            self._opened = False
             self._close_segment()
 
     def stats(self) -> dict[str, object]:
