@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--compute-threads", type=int, default=1, help="BLAS/OpenMP threads for CPU search"
     )
     serve.add_argument(
+        "--reserve", type=int, default=0, help="rows to allocate up front (GPU: keeps graphs)"
+    )
+    serve.add_argument(
         "--allow-uid",
         type=int,
         action="append",

@@ -13,11 +13,11 @@ import json
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from kalos.errors import ClosedError, InvalidRequest, PayloadTooLarge
+from kalos.errors import ClosedError, ConfigError, InvalidRequest, PayloadTooLarge
 from kalos.protocol import codes
 from kalos.protocol import layout as L
 from kalos.protocol import messages as M
@@ -142,6 +142,8 @@ class Client:
     ``transport``: "shm" (default) or "uds". ``timeout``: the default deadline of a call, in
     seconds. ``spin_us``: how long a caller spins for a response before parking (spinning
     pays when the sidecar has its own core; parking costs a ~25 µs futex wake).
+    ``gpu_results``: map each channel's GPU result buffer (a cuda sidecar, shm transport, torch
+    installed) so that :meth:`search_gpu` can hand results over as torch tensors.
     """
 
     def __init__(
@@ -153,6 +155,7 @@ class Client:
         runtime_dir: str | None = None,
         arena_bytes: int = L.DEFAULT_ARENA_BYTES,
         spin_us: float = 50.0,
+        gpu_results: bool = False,
         connector: Callable[[], Transport] | None = None,
     ) -> None:
         self.name = name
@@ -167,6 +170,7 @@ class Client:
                     arena_bytes=arena_bytes,
                     timeout=timeout,
                     spin_us=spin_us,
+                    gpu_results=gpu_results,
                 )
 
         self._connector = connector
@@ -252,9 +256,79 @@ class Client:
         """
         start = _monotonic_ns()
         t = self._channel()
-        q = np.asarray(query)
-        single = q.ndim == 1
+        single = np.ndim(query) == 1
+        q = self._host_queries(query)
+        if not isinstance(k, (int, np.integer)) or not 1 <= k <= codes.MAX_K:
+            raise InvalidRequest(f"k must be an integer between 1 and {codes.MAX_K}, got {k!r}")
+        sb = scope_bytes(scope)
+        n = M.encode_search(t.request_buffer, q, k, sb)
+        flags = codes.SEARCH_WANT_PAYLOADS if payloads else 0
+        resp = self._call(t, Op.SEARCH, flags, n, timeout, start)
+        r = M.decode_search_response(resp.body, len(resp.body))
+        ids, scores = (r.ids[0], r.scores[0]) if single else (r.ids, r.scores)
+        if copy:
+            ids, scores = ids.copy(), scores.copy()
+        return SearchResult(ids, scores, r.payloads, self._local.timings)
+
+    def search_gpu(
+        self,
+        query: Any,
+        k: int = 10,
+        *,
+        scope: Scope | None = None,
+        timeout: float | None = None,
+    ) -> SearchResult:
+        """Exact top-``k`` with the results handed over on the GPU (needs ``gpu_results``).
+
+        ``query``: numpy [dim] or [nq, dim] (sent through the channel, as in :meth:`search`),
+        or a torch CUDA tensor, which never leaves the GPU: it is copied device to device into
+        the channel's GPU query slots (this waits for the current stream). ``ids`` and
+        ``scores`` come back as torch tensors over this thread's GPU result buffer: no copy,
+        complete when this returns, valid until this thread's next call (``.clone()`` to
+        keep). ``payloads`` is None: look texts up with :meth:`search` when needed. GPU queries
+        are not checked for NaN (they never reach the host).
+        """
+        start = _monotonic_ns()
+        t = self._channel()
+        gpu = t.gpu
+        if gpu is None:
+            raise ConfigError("search_gpu needs kalos.connect(..., gpu_results=True)")
+        if not isinstance(k, (int, np.integer)) or not 1 <= k <= codes.MAX_K:
+            raise InvalidRequest(f"k must be an integer between 1 and {codes.MAX_K}, got {k!r}")
+        sb = scope_bytes(scope)
+        flags = codes.SEARCH_GPU_RESULT
+        on_gpu = getattr(query, "is_cuda", False)
+        single = query.ndim == 1 if on_gpu else np.ndim(query) == 1
+        if on_gpu:
+            q = query.reshape(1, -1) if single else query
+            nq = q.shape[0]
+            if q.ndim != 2 or q.shape[1] != self.dim or not 1 <= nq <= gpu.max_queries:
+                raise InvalidRequest(
+                    f"GPU queries must be [1..{gpu.max_queries}, {self.dim}], got "
+                    f"{tuple(query.shape)}"
+                )
+            gpu.query[:nq].copy_(q)
+            import torch
+
+            torch.cuda.current_stream(gpu.device).synchronize()  # visible to the sidecar
+            n = M.encode_search_header(t.request_buffer, nq, self.dim, k, sb)
+            flags |= codes.SEARCH_GPU_QUERY
+        else:
+            q = self._host_queries(query)
+            nq = q.shape[0]
+            n = M.encode_search(t.request_buffer, q, k, sb)
+        if nq * k > gpu.max_hits:
+            raise InvalidRequest(f"{nq} x {k} results exceed the {gpu.max_hits} GPU result slots")
+        self._call(t, Op.SEARCH, flags, n, timeout, start)
+        ids = gpu.ids[: nq * k].view(nq, k)
+        scores = gpu.scores[: nq * k].view(nq, k)
         if single:
+            ids, scores = ids[0], scores[0]
+        return SearchResult(ids, scores, None, self._local.timings)
+
+    def _host_queries(self, query: Any) -> np.ndarray:
+        q = np.asarray(query)
+        if q.ndim == 1:
             q = q[None, :]
         if q.ndim != 2 or q.shape[1] != self.dim:
             raise InvalidRequest(
@@ -263,17 +337,7 @@ class Client:
             )
         if q.dtype != np.float16 and q.dtype != np.float32:
             q = q.astype(np.float32)
-        if not isinstance(k, (int, np.integer)) or not 1 <= k <= codes.MAX_K:
-            raise InvalidRequest(f"k must be an integer between 1 and {codes.MAX_K}, got {k!r}")
-        sb = scope_bytes(scope)
-        n = M.encode_search(t.request_buffer, np.ascontiguousarray(q), k, sb)
-        flags = codes.SEARCH_WANT_PAYLOADS if payloads else 0
-        resp = self._call(t, Op.SEARCH, flags, n, timeout, start)
-        r = M.decode_search_response(resp.body, len(resp.body))
-        ids, scores = (r.ids[0], r.scores[0]) if single else (r.ids, r.scores)
-        if copy:
-            ids, scores = ids.copy(), scores.copy()
-        return SearchResult(ids, scores, r.payloads, self._local.timings)
+        return np.ascontiguousarray(q)
 
     def add(
         self,
@@ -720,6 +784,7 @@ def connect(
     runtime_dir: str | None = None,
     arena_bytes: int = L.DEFAULT_ARENA_BYTES,
     spin_us: float = 50.0,
+    gpu_results: bool = False,
 ) -> Client:
     """Connects to the running sidecar ``name``. Raises ConnectError when none runs."""
     return Client(
@@ -729,4 +794,5 @@ def connect(
         runtime_dir=runtime_dir,
         arena_bytes=arena_bytes,
         spin_us=spin_us,
+        gpu_results=gpu_results,
     )

@@ -331,6 +331,8 @@ def test_metric_payload_dtype_and_flag_codes() -> None:
     assert (codes.PAYLOAD_NONE, codes.PAYLOAD_TEXT, codes.PAYLOAD_BYTES) == (0, 1, 2)
     assert (codes.DTYPE_F32, codes.DTYPE_F16) == (0, 1)
     assert codes.SEARCH_WANT_PAYLOADS == 1
+    assert codes.SEARCH_GPU_RESULT == 2
+    assert codes.SEARCH_GPU_QUERY == 4
 
 
 def test_every_code_constant_is_pinned() -> None:
@@ -344,4 +346,6 @@ def test_every_code_constant_is_pinned() -> None:
         "DTYPE_F32",
         "DTYPE_F16",
         "SEARCH_WANT_PAYLOADS",
+        "SEARCH_GPU_RESULT",
+        "SEARCH_GPU_QUERY",
     }

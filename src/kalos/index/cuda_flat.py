@@ -552,6 +552,13 @@ class CudaFlatIndex:
         )
 
 
+def create_from_spec(
+    spec: str, *, dim: int, metric: str, device_index: int | None, options: tuple[str, ...]
+) -> CudaFlatIndex:
+    """The index factory's entry (kalos.index.create): ``"cuda[:N]:flat[,fp16|bf16|fp32]"``."""
+    return CudaFlatIndex.from_spec(spec, dim=dim, metric=metric)
+
+
 class SearchGraph:
     """One search captured as a CUDA graph over fixed device buffers.
 

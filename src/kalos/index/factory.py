@@ -40,6 +40,12 @@ class Backend:
 
 BACKENDS: dict[str, Backend] = {
     "cpu:flat": Backend("kalos.index.cpu_flat", "CpuFlatIndex"),
+    "cuda:flat": Backend(
+        "kalos.index.cuda_flat",
+        "create_from_spec",
+        requires="torch",
+        install="pip install 'kalos[gpu]' (torch and triton)",
+    ),
     "cpu:faiss-flat": Backend(
         "kalos.index.faiss_flat",
         "FaissFlatIndex",

@@ -63,6 +63,8 @@ DTYPE_F16 = 1
 
 # SEARCH flags.
 SEARCH_WANT_PAYLOADS = 1
+SEARCH_GPU_RESULT = 2  # results into the channel's GPU buffer (CUDA IPC), not the arena
+SEARCH_GPU_QUERY = 4  # the queries are in the channel's GPU buffer; the body carries none
 
 
 class AppendFlag(enum.IntFlag):

@@ -160,14 +160,24 @@ class SearchRequest(NamedTuple):
     scope: Scope
 
 
-def decode_search(buf: np.ndarray, end: int) -> SearchRequest:
+def decode_search(buf: np.ndarray, end: int, with_queries: bool = True) -> SearchRequest:
+    """A SEARCH body; ``with_queries`` False (flag SEARCH_GPU_QUERY): the body ends after the
+    scope block and ``queries`` is an empty [nq, 0] array (the queries are on the GPU)."""
     _need(16, end)
     nq, k, dim, dtype = _HEAD4.unpack_from(buf, 0)
     scope, off = read_scope(buf, 16, end)
     if nq == 0 or dim == 0:
         raise InvalidRequest("search needs at least one query of dimension > 0")
+    if not with_queries:
+        return SearchRequest(np.empty((nq, 0), np.float32), k, scope)
     q = _array(buf, off, vector_dtype(dtype), nq * dim, end).reshape(nq, dim)
     return SearchRequest(q, k, scope)
+
+
+def encode_search_header(buf: np.ndarray, nq: int, dim: int, k: int, sb: ScopeBytes) -> int:
+    """A SEARCH body without queries (they are in the channel's GPU buffer)."""
+    _HEAD4.pack_into(buf, 0, nq, k, dim, codes.DTYPE_F32)
+    return write_scope(buf, 16, sb)
 
 
 def search_response_size(nq: int, k: int) -> int:
@@ -208,6 +218,12 @@ def encode_search_response(
                 pos += len(data)
         offsets[m] = pos - start
     return size
+
+
+def encode_search_device_response(buf: np.ndarray, nq: int, k: int) -> int:
+    """The response to a GPU-result SEARCH: the header alone; results are on the GPU."""
+    _HEAD4.pack_into(buf, 0, nq, k, 0, 0)
+    return 16
 
 
 class SearchResponse(NamedTuple):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kalos import _native
 from kalos.protocol import layout as L
@@ -66,6 +66,7 @@ class ServerChannel:
         self.client_bell = a + L.CHAN_CLIENT_BELL
         self.last_seq = 0
         self.requests = 0
+        self.gpu: Any = None  # its GPU result buffer (server.gpu_search), on a cuda sidecar
 
 
 class Poller:
@@ -211,7 +212,7 @@ class Poller:
         else:
             with self._lock:
                 status, n, compute_ns, write_ns = self._handle(
-                    op, flags, ch.req_arena[:body_len], ch.resp_arena
+                    op, flags, ch.req_arena[:body_len], ch.resp_arena, gpu_buffer=ch.gpu
                 )
                 lsn = self._journal.last_lsn if self._journal is not None else 0
             if lsn:  # a logged write: answered once its record is durable (_release)

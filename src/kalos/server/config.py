@@ -41,6 +41,9 @@ class SidecarConfig:
     wal_segment_bytes: int = 64 << 20
     # Sessions and state: a tokenizer.json for turns sent without token ids, and size limits.
     tokenizer: str | None = None
+    # Rows to allocate up front (GPU index: adds up to this size never move storage, so
+    # captured search graphs stay valid). 0: grow on demand.
+    reserve: int = 0
     limits: Limits = dataclasses.field(default_factory=Limits)
 
     def __post_init__(self) -> None:

@@ -98,6 +98,7 @@ class Dispatcher:
         self.metric = memories.index.metric
         self.started = time.time()
         self.requests = [0] * (max(Op) + 1)  # by op code
+        self.gpu_buffer: Any = None  # the requesting channel's GPU result buffer (see handle)
         self.now_ns = 0  # wall-clock time of the request being handled (see handle)
         self.errors = 0
         self._extra_stats = extra_stats
@@ -134,15 +135,23 @@ class Dispatcher:
         }
 
     def handle(
-        self, op: int, flags: int, body: np.ndarray, out: np.ndarray, now_ns: int | None = None
+        self,
+        op: int,
+        flags: int,
+        body: np.ndarray,
+        out: np.ndarray,
+        now_ns: int | None = None,
+        gpu_buffer: Any = None,
     ) -> tuple[int, int, int, int]:
         """Runs one request. Returns (status, response length, compute ns, write ns).
 
         ``now_ns``: the request's wall-clock time (ns since the epoch), default the clock now;
         recovery passes the logged time. Ops read it from :attr:`now_ns`, never the clock.
+        ``gpu_buffer``: the requesting channel's GPU result buffer, if it has one.
         """
         t0 = _monotonic_ns()
         self.now_ns = time.time_ns() if now_ns is None else now_ns
+        self.gpu_buffer = gpu_buffer
         fn = self._ops.get(op)
         try:
             if fn is None:
@@ -197,12 +206,30 @@ class Dispatcher:
         return M.encode_counts(out, removed), 0
 
     def _search(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
+        if flags & (codes.SEARCH_GPU_RESULT | codes.SEARCH_GPU_QUERY):
+            return self._search_to_device(flags, body, out)
         req = M.decode_search(body, len(body))
         scores, ids = self.memories.search(req.queries, req.k, req.scope)
         t = _monotonic_ns()
         payloads = self.memories.payloads(ids) if flags & codes.SEARCH_WANT_PAYLOADS else None
         n = M.encode_search_response(out, scores, ids, payloads)
         return n, _monotonic_ns() - t
+
+    def _search_to_device(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
+        """GPU-result mode: the results go to the channel's GPU buffer; the response body is
+        the SEARCH response header alone (nq, k, no payloads)."""
+        if self.gpu_buffer is None:
+            raise InvalidRequest(
+                "this channel has no GPU result buffer: connect with gpu_results=True to a "
+                "sidecar whose index is on a GPU"
+            )
+        gpu_query = bool(flags & codes.SEARCH_GPU_QUERY)
+        req = M.decode_search(body, len(body), with_queries=not gpu_query)
+        nq = len(req.queries)
+        self.memories.search_to_device(
+            self.gpu_buffer, None if gpu_query else req.queries, nq, req.k, req.scope
+        )
+        return M.encode_search_device_response(out, nq, req.k), 0
 
     # -- sessions, state, event logs, forget -------------------------------------------------
     # Time-dependent ops read the request's time from self.now_ns (seconds: now_ns * 1e-9).

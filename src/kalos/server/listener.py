@@ -28,6 +28,9 @@ from kalos.protocol import layout as L
 from kalos.protocol.codes import PROTOCOL_VERSION, Status
 from kalos.protocol.messages import encode_text
 from kalos.server.channels import Poller, ServerChannel
+
+if TYPE_CHECKING:
+    from kalos.server.gpu_search import GpuSearch
 from kalos.server.config import SidecarConfig
 from kalos.transport.handshake import recv_message, send_message
 from kalos.transport.uds import recv_exactly
@@ -63,6 +66,7 @@ class Listener:
         self._handle = handle
         self._lock = lock
         self._info = info
+        self.gpu: GpuSearch | None = None  # set by the sidecar on a cuda index
         self._journal = journal
         self.ready = threading.Event()  # set once recovery is done
         self._ids = itertools.count(1)
@@ -156,7 +160,12 @@ class Listener:
             return
         ch = ServerChannel(next(self._ids), self._epoch, reply["arena_bytes"])
         reply["channel_id"] = ch.id
+        reply["gpu"] = None
         try:
+            if hello.get("gpu_results") and self.gpu is not None:
+                with self._lock:  # CUDA work stays serialised with dispatch
+                    ch.gpu = self.gpu.new_result_buffer()
+                reply["gpu"] = ch.gpu.describe()
             send_message(conn, reply, [self._control_fd, ch.fd])
         finally:
             os.close(ch.fd)
@@ -166,6 +175,9 @@ class Listener:
                 pass
         finally:
             self._poller.remove(ch)
+            if ch.gpu is not None:
+                with self._lock:
+                    ch.gpu.free()
 
     def _negotiate(self, hello: dict[str, Any]) -> dict[str, Any]:
         major, minor = PROTOCOL_VERSION

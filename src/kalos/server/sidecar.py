@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from threadpoolctl import threadpool_limits
 
@@ -30,10 +30,15 @@ from kalos.protocol import codes
 from kalos.protocol import layout as L
 from kalos.server.channels import Poller
 from kalos.server.config import SidecarConfig
+
+if TYPE_CHECKING:
+    from kalos.server.gpu_search import GpuSearch
 from kalos.server.dispatch import Dispatcher
 from kalos.server.durability import Durability
 from kalos.server.listener import Listener
 from kalos.stores.memories import MemoryStore
+from kalos.stores.sessions import SessionStore, load_tokenizer
+from kalos.stores.state import StateStore
 from kalos.stores.wal import FsyncPolicy
 from kalos.transport.memory import SharedMemory, create
 
@@ -75,9 +80,24 @@ class Sidecar:
         self.memories = MemoryStore(
             index.create(config.index_spec, dim=config.dim, metric=config.metric)
         )
+        if config.reserve and hasattr(self.memories.index, "reserve"):
+            self.memories.index.reserve(config.reserve)
+        self.gpu: GpuSearch | None = None
+        if config.device.startswith("cuda"):
+            from kalos.server.gpu_search import GpuSearch
+
+            self.gpu = self.memories.gpu = GpuSearch(self.memories.index)
         self.lock = threading.Lock()  # serialises dispatch between the poller and uds threads
         self.dispatcher = Dispatcher(
-            self.memories, name=config.name, device=config.device, extra_stats=self._stats
+            self.memories,
+            name=config.name,
+            device=config.device,
+            extra_stats=self._stats,
+            sessions=SessionStore(
+                config.limits,
+                load_tokenizer(config.tokenizer) if config.tokenizer is not None else None,
+            ),
+            state=StateStore(config.limits),
         )
         self.durability: Durability | None = None
         handle: Callable[..., tuple[int, int, int, int]] = self.dispatcher.handle
@@ -157,6 +177,7 @@ class Sidecar:
             self.dispatcher.info,
             journal=self.durability,
         )
+        self.listener.gpu = self.gpu
         self.listener.start()
         if self.durability is not None:
             try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -17,6 +18,9 @@ from kalos.index import Index
 from kalos.index.base import RowTable, scope_mask
 from kalos.protocol import codes
 from kalos.protocol.messages import Scope
+
+if TYPE_CHECKING:
+    from kalos.server.gpu_search import GpuResultBuffer, GpuSearch
 
 NO_MATCH = -1  # a filter code that no item carries: a scope name never seen
 
@@ -57,11 +61,17 @@ class ScopeCodes:
         return codes[0], codes[1], codes[2]
 
 
+def check_k(k: int) -> None:
+    if not 1 <= k <= codes.MAX_K:
+        raise InvalidRequest(f"k must be between 1 and {codes.MAX_K}, got {k}")
+
+
 class MemoryStore:
     """Memory items (id, vector, payload, scope) over one vector index."""
 
     def __init__(self, index: Index) -> None:
         self.index = index
+        self.gpu: GpuSearch | None = None  # set by the sidecar when the index is on a GPU
         self.scopes = ScopeCodes()
         self._payloads: dict[int, tuple[int, bytes]] = {}
         self._payload_bytes = 0
@@ -129,11 +139,36 @@ class MemoryStore:
     def search(
         self, queries: np.ndarray, k: int, scope: Scope | None
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Exact top-k: (scores [nq, k] f32, ids [nq, k] i64; -1 where fewer matched)."""
+        """Exact top-k: (scores [nq, k] f32, ids [nq, k] i64; -1 where fewer matched).
+
+        On a GPU index the arrays are views into pinned staging memory, valid until the next
+        search."""
         self.check_vectors(queries, "the query")
-        if not 1 <= k <= codes.MAX_K:
-            raise InvalidRequest(f"k must be between 1 and {codes.MAX_K}, got {k}")
+        check_k(k)
+        if self.gpu is not None:
+            return self.gpu.search(queries, k, self.scopes.filter(scope))
         return self.index.search(queries, k, scope=self.scopes.filter(scope))
+
+    def search_to_device(
+        self, buffer: GpuResultBuffer, queries: np.ndarray | None, nq: int, k: int,
+        scope: Scope | None,
+    ) -> None:  # fmt: skip
+        """Exact top-k into a channel's GPU result buffer (GPU index only). ``queries`` None:
+        the client put them in the buffer's query slots (not checked for NaN: they never
+        reach the host)."""
+        if self.gpu is None:
+            raise InvalidRequest("GPU results need a sidecar whose index is on a GPU")
+        if queries is not None:
+            self.check_vectors(queries, "the query")
+        check_k(k)
+        from kalos.server.gpu_search import GPU_MAX_HITS
+
+        if not 1 <= nq <= self.gpu.max_batch or nq * k > GPU_MAX_HITS:
+            raise InvalidRequest(
+                f"a GPU-result search takes 1..{self.gpu.max_batch} queries and at most "
+                f"{GPU_MAX_HITS} results, got {nq} x {k}"
+            )
+        self.gpu.search_to_device(buffer, queries, nq, k, self.scopes.filter(scope))
 
     def payloads(self, ids: np.ndarray) -> list[tuple[int, bytes]]:
         """(kind, bytes) of each id, in order; (PAYLOAD_NONE, b"") for none or -1."""

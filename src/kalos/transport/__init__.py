@@ -20,20 +20,37 @@ def open_transport(
     arena_bytes: int,
     timeout: float,
     spin_us: float,
+    gpu_results: bool = False,
 ) -> Transport:
     """Handshakes with the sidecar ``name`` and returns a new channel of ``kind``.
 
-    Raises ConnectError (no sidecar, refused), ProtocolMismatch, ConfigError (unknown kind).
+    ``gpu_results``: ask a cuda sidecar for a GPU result buffer (shm only); the transport's
+    ``gpu`` is then a :class:`kalos.gpu.handoff.GpuChannel`. Raises ConnectError (no sidecar,
+    refused), ProtocolMismatch, ConfigError (unknown kind, no GPU results to be had).
     """
     from kalos.transport.handshake import client_hello
 
     if kind not in TRANSPORTS:
         raise ConfigError(f"unknown transport {kind!r}; choose one of {', '.join(TRANSPORTS)}")
-    sock, info, fds = client_hello(socket_path(name, runtime_dir), kind, arena_bytes, timeout)
+    if gpu_results and kind != "shm":
+        raise ConfigError("GPU results travel over the shm transport only")
+    sock, info, fds = client_hello(
+        socket_path(name, runtime_dir), kind, arena_bytes, timeout, gpu_results
+    )
     if kind == "shm":
         from kalos.transport.shm import ShmTransport
 
-        return ShmTransport(sock, info, fds, spin_us=spin_us)
+        t = ShmTransport(sock, info, fds, spin_us=spin_us)
+        if gpu_results:
+            if not info.get("gpu"):
+                t.close()
+                raise ConfigError(
+                    f"the sidecar {name!r} has no GPU index: GPU results need --device cuda"
+                )
+            from kalos.gpu.handoff import GpuChannel
+
+            t.gpu = GpuChannel(info["gpu"])
+        return t
     from kalos.transport.uds import UdsTransport
 
     for fd in fds:

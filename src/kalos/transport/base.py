@@ -35,6 +35,7 @@ class Transport(abc.ABC):
     kind: str  # "shm", "uds", "inproc"
     request_buffer: np.ndarray  # writable uint8; the next request's body goes here
     server_info: dict[str, Any]  # what the handshake told: dim, metric, max_k, epoch, ...
+    gpu: Any = None  # kalos.gpu.handoff.GpuChannel when GPU results were asked for
 
     @abc.abstractmethod
     def request(self, op: int, flags: int, body_len: int, *, timeout: float) -> Response:

@@ -65,7 +65,7 @@ def _close_fd(fd: int) -> None:
 
 
 def client_hello(
-    path: str, transport: str, arena_bytes: int, timeout: float
+    path: str, transport: str, arena_bytes: int, timeout: float, gpu_results: bool = False
 ) -> tuple[socket.socket, dict[str, Any], list[int]]:
     """Connects to the sidecar at ``path`` and asks for a channel of ``transport`` kind.
 
@@ -88,6 +88,7 @@ def client_hello(
         "protocol": list(PROTOCOL_VERSION),
         "transport": transport,
         "arena_bytes": arena_bytes,
+        "gpu_results": gpu_results,
     }
     try:
         send_message(sock, hello)

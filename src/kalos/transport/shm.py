@@ -134,6 +134,8 @@ class ShmTransport(Transport):
             return
         self._closed = True
         try:
+            if self.gpu is not None:
+                self.gpu.close()
             self._sock.close()
         finally:
             self._chan.close()

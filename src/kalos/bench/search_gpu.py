@@ -1,0 +1,283 @@
+"""search-gpu: exact top-10 on a GPU sidecar, end to end, beside the kernel and torch in-process.
+
+For each size (100K, 1M, 10M x 128 and 1M x 768, fp16, batch 1) in one run:
+
+- ``kalos-shm``: a client's ``search`` through a ``--device cuda`` sidecar, host results;
+- ``kalos-shm-gpu``: ``search_gpu`` with a numpy query, results handed over on the GPU;
+- ``kalos-shm-gpu-query``: ``search_gpu`` with a torch CUDA query that never leaves the GPU;
+- ``kalos-kernel``: the fused scan + top-k alone, a graph replay timed with CUDA events;
+- ``torch-inprocess`` / ``torch-inprocess-graph``: ``torch.topk(q @ db.T)`` in this process;
+- ``bandwidth-floor``: the index's bytes over the copy bandwidth measured in this run.
+
+End-to-end times are host clocks around the whole client call. Every kalos result is checked
+against exact search in the same run. ``--profile`` also records a torch profiler trace of
+1,000 GPU-result recalls in an in-process sidecar and counts host↔device copies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+from kalos.bench.common import print_table, summarize, write_result
+from kalos.testing import isolated_sidecar
+
+SCENARIO = "search-gpu"
+SIZES = ((100_000, 128), (1_000_000, 128), (1_000_000, 768), (10_000_000, 128))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes", nargs="+", default=[f"{n}x{d}" for n, d in SIZES],
+                   help="NxDIM, e.g. 1000000x128")  # fmt: skip
+    p.add_argument("--k", type=int, default=10)
+    p.add_argument("--queries", type=int, default=2000, help="timed recalls per system")
+    p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--profile", action="store_true", help="count copies in a profiler trace")
+
+
+def _copy_bandwidth(torch: Any) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * 20 * src.numel() / (start.elapsed_time(end) / 1e3)
+
+
+def _event_times(torch: Any, fn: Any, n: int) -> np.ndarray:
+    """ns per call of ``fn`` measured with CUDA events, one pair per call."""
+    out = np.zeros(n, np.int64)
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+             for _ in range(n)]  # fmt: skip
+    for a, b in pairs:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    for i, (a, b) in enumerate(pairs):
+        out[i] = int(a.elapsed_time(b) * 1e6)
+    return out
+
+
+def _host_times(fn: Any, n: int) -> tuple[np.ndarray, float]:
+    out = np.zeros(n, np.int64)
+    clock = time.perf_counter_ns
+    t0 = time.perf_counter()
+    for i in range(n):
+        t = clock()
+        fn(i)
+        out[i] = clock() - t
+    return out, time.perf_counter() - t0
+
+
+def _run_size(args: argparse.Namespace, torch: Any, n: int, dim: int, bw: float) -> dict:
+    from kalos.index.cuda_flat import CudaFlatIndex
+
+    k = args.k
+    gen = torch.Generator(device="cuda").manual_seed(args.seed + n + dim)
+    db = torch.randn((n, dim), generator=gen, device="cuda", dtype=torch.float32).half()
+    ids = np.arange(n, dtype=np.int64) * 3 + 1
+    ids_t = torch.from_numpy(ids).cuda()
+    rng = np.random.default_rng(args.seed)
+    queries = rng.standard_normal((args.queries, dim), dtype=np.float32)
+    q_gpu = torch.from_numpy(queries).cuda()
+    rows: list[dict[str, Any]] = []
+
+    # Kernel alone: the same index class in this process, one graph replay per search.
+    index = CudaFlatIndex(dim=dim, metric="ip", spec="cuda:flat,fp16")
+    index.reserve(n)
+    index.add(db, ids_t)
+    graph = index.graph(1, k)
+    qi = iter(range(10**9))
+
+    def kernel() -> None:
+        graph.query.copy_(q_gpu[next(qi) % len(q_gpu)][None])
+        graph.replay()
+
+    _event_times(torch, kernel, 50)
+    t_kernel = _event_times(torch, graph.replay, args.queries)
+    rows.append(summarize("kalos-kernel", t_kernel))
+
+    # torch.topk(q @ db.T) in this process, eager and as a CUDA graph.
+    qs = q_gpu.half()
+    j = iter(range(10**9))
+
+    def eager() -> None:
+        torch.topk(qs[next(j) % len(qs)][None] @ db.T, k)
+
+    _event_times(torch, eager, 50)
+    rows.append(summarize("torch-inprocess", _event_times(torch, eager, args.queries)))
+    static_q = qs[:1].clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            torch.topk(static_q @ db.T, k)
+    torch.cuda.current_stream().wait_stream(s)
+    tg = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(tg):
+        torch.topk(static_q @ db.T, k)
+    rows.append(summarize("torch-inprocess-graph", _event_times(torch, tg.replay, args.queries)))
+    exact_scores, exact_rows = torch.topk(q_gpu[:200].half() @ db.T, k)
+    exact_ids = ids_t[exact_rows].cpu().numpy()
+    exact_kth = exact_scores[:, -1].float().cpu().numpy()
+
+    # End to end through a sidecar on the same GPU.
+    floor_us = n * dim * 2 / bw * 1e6
+    with tempfile.TemporaryDirectory(prefix="kalos-bench-") as rd, isolated_sidecar(
+        dim=dim, name="bench-gpu", runtime_dir=rd,
+        extra_args=("--device", "cuda", "--reserve", str(n)),
+    ) as sidecar:  # fmt: skip
+        loader = sidecar.connect(arena_bytes=64 << 20, timeout=120)
+        host_db = db.cpu().numpy()
+        step = (60 << 20) // (dim * 2 + 8 + 9)
+        for lo in range(0, n, step):
+            loader.add(host_db[lo : lo + step], ids[lo : lo + step])
+        del host_db
+        loader.close()
+        client = sidecar.connect(gpu_results=True, spin_us=1000)
+        wrong = 0
+        for i in range(200):  # correctness in the same run (tie-aware: k-th score bound)
+            got = client.search(queries[i], k, payloads=False).ids
+            got_gpu = client.search_gpu(queries[i], k).ids.cpu().numpy()
+            same = set(got.tolist()) == set(exact_ids[i].tolist())
+            wrong += int(not same and not _tie_ok(db, ids, queries[i], got, exact_kth[i]))
+            wrong += int(not np.array_equal(np.sort(got), np.sort(got_gpu)))
+        for _ in range(200):
+            client.search(queries[0], k, payloads=False)
+            client.search_gpu(queries[0], k)
+            client.search_gpu(q_gpu[0], k)
+        stages: dict[str, list] = {}
+
+        def host(i: int) -> None:
+            client.search(queries[i], k, payloads=False)
+
+        def gpu(i: int) -> None:
+            client.search_gpu(queries[i], k)
+
+        def gpu_query(i: int) -> None:
+            client.search_gpu(q_gpu[i], k)
+
+        for name, fn in (("kalos-shm", host), ("kalos-shm-gpu", gpu),
+                         ("kalos-shm-gpu-query", gpu_query)):  # fmt: skip
+            samples, wall = _host_times(fn, args.queries)
+            t = client.last_timings
+            rows.append(summarize(name, samples, wall))
+            stages[name] = [t.queue_us, t.compute_us, t.write_us] if t else []
+        client.close()
+    rows.append({"system": "bandwidth-floor", "p50_us": round(floor_us, 3),
+                 "bytes": n * dim * 2, "copy_bandwidth_TBps": round(bw / 1e12, 3)})  # fmt: skip
+    by = {r["system"]: r for r in rows}
+    summary = {
+        "e2e_p99_us": by["kalos-shm"]["p99_us"],
+        "e2e_gpu_p99_us": by["kalos-shm-gpu"]["p99_us"],
+        "kernel_p50_us": by["kalos-kernel"]["p50_us"],
+        "kernel_over_floor": round(by["kalos-kernel"]["p50_us"] / floor_us, 3),
+        "torch_over_kalos_e2e_p50": round(
+            by["torch-inprocess"]["p50_us"] / by["kalos-shm"]["p50_us"], 3
+        ),
+        "wrong_results": wrong,
+    }
+    return {"params": {"n": n, "dim": dim, "dtype": "float16", "k": k, "batch": 1},
+            "rows": rows, "summary": summary, "last_stage_us": stages}  # fmt: skip
+
+
+def _tie_ok(db: Any, ids: np.ndarray, q: np.ndarray, got: np.ndarray, kth: float) -> bool:
+    """Whether every returned id scores at least the exact k-th score (fp16 ties allowed)."""
+    import torch
+
+    rows = torch.from_numpy(np.searchsorted(ids, got)).cuda()
+    scores = (db[rows].float() @ torch.from_numpy(q).cuda()).cpu().numpy()
+    return bool((scores >= kth - 1e-2).all())
+
+
+def _profile_client(runtime_dir: str, dim: int, recalls: int) -> None:
+    """The client half of :func:`_profile`, in its own process (CUDA IPC handles cannot be
+    opened by the process that exported them)."""
+    from kalos.client import connect
+
+    client = connect("prof", runtime_dir=runtime_dir, gpu_results=True)
+    q = np.random.default_rng(0).standard_normal((recalls, dim), dtype=np.float32)
+    for i in range(recalls):
+        client.search_gpu(q[i], 10)
+    client.close()
+
+
+def _profile(torch: Any, dim: int = 128, n: int = 1_000_000) -> dict[str, Any]:
+    """1,000 GPU-result recalls against an in-process sidecar recorded by the torch profiler:
+    counts the sidecar's host↔device copies (each query goes up; nothing of the index or of
+    the results comes down). The client runs in another process, as in production."""
+    import multiprocessing
+
+    from kalos.server import Sidecar, SidecarConfig
+
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="kalos-prof-") as rd:
+        cfg = SidecarConfig(name="prof", dim=dim, device="cuda", runtime_dir=rd, reserve=n)
+        with Sidecar(cfg) as sidecar:
+            db = torch.randn((n, dim), device="cuda").half()
+            sidecar.memories.index.add(db, torch.arange(n, device="cuda"))
+            warm = ctx.Process(target=_profile_client, args=(rd, dim, 50))
+            warm.start()
+            warm.join()
+            acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=acts) as prof:
+                proc = ctx.Process(target=_profile_client, args=(rd, dim, 1000))
+                proc.start()
+                proc.join()
+    counts: dict[str, int] = {}
+    for e in prof.events():
+        if "memcpy" in e.name.lower():
+            counts[e.name] = counts.get(e.name, 0) + 1
+    path = os.path.join(tempfile.gettempdir(), "kalos-gpu-results-trace.json")
+    prof.export_chrome_trace(path)
+    dtoh = sum(v for name, v in counts.items() if "DtoH" in name)
+    graphs = sum(1 for e in prof.events() if "cudaGraphLaunch" in e.name)
+    return {"recalls": 1000, "copy_events": counts, "device_to_host_copies": dtoh,
+            "graph_launches": graphs, "trace": path}  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("search-gpu needs a CUDA GPU")
+        return 2
+    bw = _copy_bandwidth(torch)
+    extra: dict[str, Any] = {
+        "gpu": torch.cuda.get_device_name(),
+        "cuda": torch.version.cuda,
+        "copy_bandwidth_TBps": round(bw / 1e12, 3),
+        "sets": [],
+    }
+    path = ""
+    for size in args.sizes:
+        n, dim = (int(x) for x in size.lower().split("x"))
+        r = _run_size(args, torch, n, dim, bw)
+        torch.cuda.empty_cache()
+        extra["sets"].append(r)
+        print(f"\n{n:,} x {dim} fp16, top-{args.k}, batch 1")
+        print_table(r["rows"])
+        print(r["summary"])
+        first = extra["sets"][0]  # rewritten after every size: a cut-off run keeps its sets
+        path = write_result(SCENARIO, args.machine or "H200", first["params"], first["rows"],
+                            args.out, **extra)  # fmt: skip
+    if args.profile:
+        extra["profile_gpu_results"] = _profile(torch)
+        print("profile:", extra["profile_gpu_results"])
+        first = extra["sets"][0]
+        path = write_result(SCENARIO, args.machine or "H200", first["params"], first["rows"],
+                            args.out, **extra)  # fmt: skip
+    print(f"wrote {path}")
+    return 1 if any(r["summary"]["wrong_results"] for r in extra["sets"]) else 0

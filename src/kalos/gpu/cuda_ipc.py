@@ -1,0 +1,128 @@
+"""CUDA IPC through the driver API (libcuda, present wherever the driver is), via ctypes.
+
+The sidecar allocates each channel's GPU result buffer with ``cuMemAlloc`` (not through
+torch's caching allocator, whose blocks are sub-allocated: an IPC handle names a whole
+allocation) and exports it with ``cuIpcGetMemHandle``; the client opens the 64-byte handle
+once with ``cuIpcOpenMemHandle`` and wraps the memory as torch tensors through the CUDA array
+interface: no copy, no /dev/shm file (torch.multiprocessing's IPC would create one for its
+reference counts).
+
+Both sides must have torch's primary context current on the calling thread (torch makes it
+current on first use: call :func:`ensure_context` after ``torch.cuda.init``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any
+
+from kalos.errors import ConfigError
+
+IPC_HANDLE_BYTES = 64
+_LAZY_ENABLE_PEER_ACCESS = 1
+
+_lib: ctypes.CDLL | None = None
+_lock = threading.Lock()
+
+
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
+
+
+def _driver() -> ctypes.CDLL:
+    global _lib
+    with _lock:
+        if _lib is None:
+            try:
+                lib = ctypes.CDLL("libcuda.so.1")
+            except OSError as exc:
+                raise ConfigError(
+                    f"the CUDA driver (libcuda.so.1) is not available: {exc}"
+                ) from exc
+            lib.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
+            lib.cuMemFree_v2.argtypes = [ctypes.c_uint64]
+            lib.cuIpcGetMemHandle.argtypes = [ctypes.POINTER(_IpcHandle), ctypes.c_uint64]
+            lib.cuIpcOpenMemHandle_v2.argtypes = [
+                ctypes.POINTER(ctypes.c_uint64),
+                _IpcHandle,
+                ctypes.c_uint,
+            ]
+            lib.cuIpcCloseMemHandle.argtypes = [ctypes.c_uint64]
+            lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+            _lib = lib
+        return _lib
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        msg = ctypes.c_char_p()
+        _driver().cuGetErrorString(rc, ctypes.byref(msg))
+        text = msg.value.decode() if msg.value else "unknown error"
+        raise RuntimeError(f"{what} failed: CUDA error {rc} ({text})")
+
+
+def ensure_context(device: int) -> None:
+    """Makes torch's primary context of ``device`` current on this thread."""
+    import torch
+
+    torch.cuda.set_device(device)
+    torch.cuda.current_stream(device)  # initialises the context on this thread
+    torch.empty(1, device=f"cuda:{device}")
+
+
+def mem_alloc(nbytes: int) -> int:
+    ptr = ctypes.c_uint64()
+    _check(_driver().cuMemAlloc_v2(ctypes.byref(ptr), nbytes), "cuMemAlloc")
+    return ptr.value
+
+
+def mem_free(ptr: int) -> None:
+    _check(_driver().cuMemFree_v2(ptr), "cuMemFree")
+
+
+def ipc_handle(ptr: int) -> bytes:
+    """The 64-byte IPC handle of an allocation made by :func:`mem_alloc`."""
+    h = _IpcHandle()
+    _check(_driver().cuIpcGetMemHandle(ctypes.byref(h), ptr), "cuIpcGetMemHandle")
+    return bytes(h)  # all 64 bytes (the field's own getter would stop at a zero byte)
+
+
+def ipc_open(handle: bytes) -> int:
+    """Maps another process's allocation; returns its address in this process."""
+    if len(handle) != IPC_HANDLE_BYTES:
+        raise ValueError("a CUDA IPC handle is 64 bytes")
+    h = _IpcHandle.from_buffer_copy(handle)
+    ptr = ctypes.c_uint64()
+    _check(
+        _driver().cuIpcOpenMemHandle_v2(ctypes.byref(ptr), h, _LAZY_ENABLE_PEER_ACCESS),
+        "cuIpcOpenMemHandle",
+    )
+    return ptr.value
+
+
+def ipc_close(ptr: int) -> None:
+    _check(_driver().cuIpcCloseMemHandle(ptr), "cuIpcCloseMemHandle")
+
+
+class _CudaArray:
+    """Describes device memory to torch through ``__cuda_array_interface__``."""
+
+    def __init__(self, ptr: int, shape: tuple[int, ...], typestr: str) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": shape,
+            "typestr": typestr,
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+            "stream": None,  # no synchronisation implied: ordering is the protocol's job
+        }
+
+
+def tensor_at(ptr: int, shape: tuple[int, ...], dtype: Any, device: int) -> Any:
+    """A torch tensor over ``ptr`` (not owned: the buffer must outlive it)."""
+    import numpy as np
+    import torch
+
+    typestr = np.dtype(str(dtype).replace("torch.", "")).str
+    return torch.as_tensor(_CudaArray(ptr, shape, typestr), device=f"cuda:{device}")

@@ -1,0 +1,208 @@
+"""Searching a GPU-resident index from the sidecar: one CUDA graph per request shape.
+
+A search on a ``cuda`` sidecar never moves the index: the query (a few hundred bytes) goes to
+the GPU and the top-k comes back. Each (batch, k, filtered, destination) shape is captured
+once as a CUDA graph that does, in one launch:
+
+    host-result mode:  pinned query → device, fused scan + top-k, device → pinned results
+    GPU-result mode:   pinned query (or the client's GPU query) → device, scan + top-k,
+                       results → the channel's GPU result buffer (device to device)
+
+then the poller waits for the stream and publishes the response. In GPU-result mode nothing
+of the results crosses PCIe: the client reads them as torch tensors over the channel's GPU
+buffer, which it mapped once through CUDA IPC (:mod:`kalos.gpu.cuda_ipc`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kalos.errors import ConfigError
+from kalos.gpu import cuda_ipc
+from kalos.index.cuda_flat import CudaFlatIndex, SearchGraph
+
+# Per-channel GPU result buffer: room for this many queries and hits (nq * k).
+GPU_MAX_QUERIES = 64
+GPU_MAX_HITS = 16384
+_ALIGN = 256
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class GpuResultBuffer:
+    """One channel's GPU memory: query slots, result ids and scores, exported by CUDA IPC.
+
+    Layout (bytes, each part 256-aligned): ``query f32[GPU_MAX_QUERIES, dim]``,
+    ``ids i64[GPU_MAX_HITS]``, ``scores f32[GPU_MAX_HITS]``. A result of nq x k fills the
+    first nq*k entries of ids and scores, row-major.
+    """
+
+    def __init__(self, dim: int, device: int) -> None:
+        self.device = device
+        self.dim = dim
+        self.query_offset = 0
+        self.ids_offset = _align(GPU_MAX_QUERIES * dim * 4)
+        self.scores_offset = self.ids_offset + _align(GPU_MAX_HITS * 8)
+        self.nbytes = self.scores_offset + _align(GPU_MAX_HITS * 4)
+        self.ptr = cuda_ipc.mem_alloc(self.nbytes)
+        self.handle = cuda_ipc.ipc_handle(self.ptr)
+        import torch
+
+        self.query = cuda_ipc.tensor_at(self.ptr, (GPU_MAX_QUERIES, dim), torch.float32, device)
+        self.ids = cuda_ipc.tensor_at(
+            self.ptr + self.ids_offset, (GPU_MAX_HITS,), torch.int64, device
+        )
+        self.scores = cuda_ipc.tensor_at(
+            self.ptr + self.scores_offset, (GPU_MAX_HITS,), torch.float32, device
+        )
+        self.graphs: dict[tuple[int, int, bool, bool], _DeviceResultGraph] = {}
+
+    def describe(self) -> dict[str, Any]:
+        """What the handshake tells the client so it can map this buffer."""
+        return {
+            "handle": self.handle.hex(),
+            "device": self.device,
+            "bytes": self.nbytes,
+            "dim": self.dim,
+            "max_queries": GPU_MAX_QUERIES,
+            "max_hits": GPU_MAX_HITS,
+            "query_offset": self.query_offset,
+            "ids_offset": self.ids_offset,
+            "scores_offset": self.scores_offset,
+        }
+
+    def free(self) -> None:
+        self.graphs.clear()
+        if self.ptr:
+            cuda_ipc.mem_free(self.ptr)
+            self.ptr = 0
+
+
+class _HostResultGraph(SearchGraph):
+    """Pinned query in, pinned results out, the fused search in between: one graph launch."""
+
+    def __init__(self, index: CudaFlatIndex, nq: int, k: int, scoped: bool, staging: Staging):
+        self.staging = staging
+        super().__init__(index, nq, k, scoped)
+
+    def _run(self) -> None:
+        s, nq, k = self.staging, self.nq, self.k
+        self.query.copy_(s.query[:nq], non_blocking=True)
+        if self.scope_active:
+            self.scope.copy_(s.scope, non_blocking=True)
+        super()._run()
+        s.scores[: nq * k].view(nq, k).copy_(self.scores, non_blocking=True)
+        s.ids[: nq * k].view(nq, k).copy_(self.ids, non_blocking=True)
+
+
+class _DeviceResultGraph(SearchGraph):
+    """Query from pinned memory or the channel's GPU slots; results into the channel's GPU
+    buffer. No device-to-host copy."""
+
+    def __init__(self, index: CudaFlatIndex, nq: int, k: int, scoped: bool, staging: Staging,
+                 buffer: GpuResultBuffer, gpu_query: bool) -> None:  # fmt: skip
+        self.staging = staging
+        self.buffer = buffer
+        self.gpu_query = gpu_query
+        super().__init__(index, nq, k, scoped)
+
+    def _run(self) -> None:
+        s, b, nq, k = self.staging, self.buffer, self.nq, self.k
+        self.query.copy_(b.query[:nq] if self.gpu_query else s.query[:nq], non_blocking=True)
+        if self.scope_active:
+            self.scope.copy_(s.scope, non_blocking=True)
+        super()._run()
+        b.scores[: nq * k].view(nq, k).copy_(self.scores, non_blocking=True)
+        b.ids[: nq * k].view(nq, k).copy_(self.ids, non_blocking=True)
+
+
+class Staging:
+    """Pinned host buffers the graphs copy from and to (allocated once)."""
+
+    def __init__(self, dim: int, max_batch: int) -> None:
+        import torch
+
+        self.query = torch.zeros((max_batch, dim), dtype=torch.float32).pin_memory()
+        self.scope = torch.zeros(3, dtype=torch.int64).pin_memory()
+        self.scores = torch.zeros(max_batch * 1024, dtype=torch.float32).pin_memory()
+        self.ids = torch.zeros(max_batch * 1024, dtype=torch.int64).pin_memory()
+        self.query_np = self.query.numpy()
+        self.scope_np = self.scope.numpy()
+        self.scores_np = self.scores.numpy()
+        self.ids_np = self.ids.numpy()
+
+
+class GpuSearch:
+    """Serves searches on a :class:`CudaFlatIndex` through cached CUDA graphs."""
+
+    def __init__(self, index: Any) -> None:
+        import torch
+
+        if not isinstance(index, CudaFlatIndex):
+            raise ConfigError(f"a cuda sidecar needs a cuda index spec, not {index.spec!r}")
+        self._torch = torch
+        self.index = index
+        self.device = index.device.index or 0
+        cuda_ipc.ensure_context(self.device)
+        self.max_batch = min(index._max_batch, GPU_MAX_QUERIES)
+        self.staging = Staging(index.dim, self.max_batch)
+        # Replays run on torch's current stream, the one index adds and removes are queued
+        # on, so a search always sees every write before it.
+        self.stream = torch.cuda.current_stream(index.device)
+        self._graphs: dict[tuple[int, int, bool], _HostResultGraph] = {}
+
+    def new_result_buffer(self) -> GpuResultBuffer:
+        """A GPU result buffer for a new channel (called from the listener's thread)."""
+        cuda_ipc.ensure_context(self.device)
+        return GpuResultBuffer(self.index.dim, self.device)
+
+    def _stage(self, queries: np.ndarray | None, scope: tuple[int, int, int] | None) -> None:
+        if queries is not None:
+            self.staging.query_np[: len(queries)] = queries
+        if scope is not None:
+            self.staging.scope_np[:] = scope
+
+    def search(
+        self, queries: np.ndarray, k: int, scope: tuple[int, int, int] | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k into host memory: (scores [nq, k], ids [nq, k]), views into pinned staging
+        valid until the next search. Batches above the graph limit take the plain path."""
+        nq = len(queries)
+        if nq > self.max_batch or k > 1024:
+            return self.index.search(queries, k, scope=scope)
+        key = (nq, k, scope is not None)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = _HostResultGraph(
+                self.index, nq, k, scope is not None, self.staging
+            )
+        self._stage(queries, scope)
+        graph.replay()
+        self.stream.synchronize()
+        m = nq * k
+        s = self.staging
+        return s.scores_np[:m].reshape(nq, k), s.ids_np[:m].reshape(nq, k)
+
+    def search_to_device(
+        self,
+        buffer: GpuResultBuffer,
+        queries: np.ndarray | None,
+        nq: int,
+        k: int,
+        scope: tuple[int, int, int] | None,
+    ) -> None:
+        """Top-k into the channel's GPU buffer; ``queries`` None: they are in its GPU slots.
+        Returns once the results are complete in device memory."""
+        key = (nq, k, scope is not None, queries is None)
+        graph = buffer.graphs.get(key)
+        if graph is None:
+            graph = buffer.graphs[key] = _DeviceResultGraph(
+                self.index, nq, k, scope is not None, self.staging, buffer, queries is None
+            )
+        self._stage(queries, scope)
+        graph.replay()
+        self.stream.synchronize()

@@ -1,0 +1,132 @@
+"""A ``--device cuda`` sidecar end to end: host results, GPU-result handoff over CUDA IPC,
+GPU queries, scope filters, removes; every result against an exact float64 reference.
+
+Run on a CUDA machine: ``pytest -m gpu tests/gpu``. Skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+import kalos  # noqa: E402
+from kalos.testing import isolated_sidecar  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+DIM = 64
+N = 20_000
+
+
+def exact_topk(base16: np.ndarray, q: np.ndarray, k: int, mask: np.ndarray | None = None):
+    """Scores and positions of the exact top-k in float64 over the fp16-rounded vectors."""
+    s = base16.astype(np.float64) @ q.astype(np.float64)
+    if mask is not None:
+        s = np.where(mask, s, -np.inf)
+    order = np.argsort(-s, kind="stable")[:k]
+    return s[order], order
+
+
+def assert_same_topk(got_ids, got_scores, want_scores, ids, base16, q) -> None:
+    """Same results up to exact ties: every returned id scores at least the k-th best."""
+    pos = {int(i): p for p, i in enumerate(ids)}
+    got = np.array([base16[pos[int(i)]].astype(np.float64) @ q for i in got_ids])
+    assert np.all(got >= want_scores[-1] - 1e-3)
+    np.testing.assert_allclose(np.sort(got)[::-1], want_scores, rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(np.asarray(got_scores, np.float64), got, rtol=2e-3, atol=2e-2)
+
+
+@pytest.fixture(scope="module")
+def gpu_sidecar():
+    rng = np.random.default_rng(5)
+    base = rng.standard_normal((N, DIM)).astype(np.float32)
+    ids = rng.choice(10**9, N, replace=False).astype(np.int64)
+    with isolated_sidecar(dim=DIM, name="gpu-test", extra_args=("--device", "cuda")) as sc:
+        client = sc.connect(gpu_results=True, timeout=120)
+        half = N // 2
+        client.add(base[:half], ids[:half], [f"t{i}" for i in ids[:half]],
+                   scope=kalos.Scope("acme"))  # fmt: skip
+        client.add(base[half:], ids[half:], scope=kalos.Scope("globex", "u1"))
+        yield sc, client, base.astype(np.float16), ids
+        client.close()
+
+
+@pytest.mark.parametrize("k", [1, 10, 100])
+def test_host_results_match_exact(gpu_sidecar, k):
+    _, client, base16, ids = gpu_sidecar
+    rng = np.random.default_rng(k)
+    for _ in range(5):
+        q = rng.standard_normal(DIM).astype(np.float32)
+        r = client.search(q, k)
+        want, _ = exact_topk(base16, q, k)
+        assert_same_topk(r.ids, r.scores, want, ids, base16, q)
+        assert len(r.payloads) == k
+
+
+def test_gpu_results_are_cuda_tensors_matching_host(gpu_sidecar):
+    _, client, base16, ids = gpu_sidecar
+    rng = np.random.default_rng(1)
+    for _ in range(5):
+        q = rng.standard_normal(DIM).astype(np.float32)
+        g = client.search_gpu(q, 10)
+        assert g.ids.is_cuda and g.scores.is_cuda and g.payloads is None
+        got_ids, got_scores = g.ids.cpu().numpy(), g.scores.cpu().numpy()
+        want, _ = exact_topk(base16, q, 10)
+        assert_same_topk(got_ids, got_scores, want, ids, base16, q)
+        h = client.search(q, 10, payloads=False)
+        assert set(h.ids.tolist()) == set(got_ids.tolist())
+
+
+def test_gpu_query_never_leaves_the_gpu(gpu_sidecar):
+    _, client, base16, ids = gpu_sidecar
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((3, DIM)).astype(np.float32)
+    g = client.search_gpu(torch.from_numpy(q).cuda(), 10)
+    assert tuple(g.ids.shape) == (3, 10)
+    for row in range(3):
+        want, _ = exact_topk(base16, q[row], 10)
+        assert_same_topk(g.ids[row].cpu().numpy(), g.scores[row].cpu().numpy(), want, ids,
+                         base16, q[row])  # fmt: skip
+
+
+def test_scope_filter_on_gpu(gpu_sidecar):
+    _, client, base16, ids = gpu_sidecar
+    q = np.random.default_rng(3).standard_normal(DIM).astype(np.float32)
+    mask = np.zeros(N, bool)
+    mask[N // 2 :] = True
+    want, _ = exact_topk(base16, q, 10, mask)
+    for r in (client.search(q, 10, scope=kalos.Scope("globex", "u1")),):
+        assert_same_topk(r.ids, r.scores, want, ids, base16, q)
+    g = client.search_gpu(q, 10, scope=kalos.Scope("globex"))
+    assert set(g.ids.cpu().numpy().tolist()) <= set(ids[N // 2 :].tolist())
+    none = client.search(q, 10, scope=kalos.Scope("nobody"))
+    assert (none.ids == -1).all()
+
+
+def test_remove_then_search_on_gpu(gpu_sidecar):
+    _, client, base16, ids = gpu_sidecar
+    q = base16[7].astype(np.float32) * 4
+    top = client.search(q, 5, payloads=False).ids.copy()
+    assert client.remove(top[:2]) == 2
+    after = client.search_gpu(q, 5).ids.cpu().numpy()
+    assert not set(top[:2].tolist()) & set(after.tolist())
+
+
+def test_bad_gpu_requests_are_refused_and_serving_goes_on(gpu_sidecar):
+    sc, client, _, _ = gpu_sidecar
+    with pytest.raises(kalos.InvalidRequest):
+        client.search_gpu(torch.zeros(DIM + 1, device="cuda"), 10)
+    with pytest.raises(kalos.InvalidRequest):
+        client.search_gpu(np.full(DIM, np.nan, np.float32), 10)
+    plain = sc.connect()
+    with pytest.raises(kalos.ConfigError):
+        plain.search_gpu(np.zeros(DIM, np.float32), 10)
+    assert plain.ping().total_us > 0
+    plain.close()
+    assert client.search_gpu(np.ones(DIM, np.float32), 3).ids.shape[0] == 3
