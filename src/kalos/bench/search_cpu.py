@@ -63,6 +63,7 @@ def _run(args: argparse.Namespace) -> int:
     ids = np.arange(args.n, dtype=np.int64) * 7 + 3
     local = kindex.create(args.index, dim=args.dim, metric="ip")
     local.add(base, ids)
+    index_lock = threading.Lock()
     rows = []
     mismatches = 0
     with isolated_sidecar(
@@ -89,10 +90,13 @@ def _run(args: argparse.Namespace) -> int:
                     out[i] = clock() - t0
 
             def in_process(t: int, out: np.ndarray) -> None:
+                # An index serves one thread at a time (the Index contract): in-process callers
+                # share it under a lock, as the sidecar serialises its dispatch.
                 clock = time.perf_counter_ns
                 for i in range(len(out)):
                     t0 = clock()
-                    local.search(queries[i], args.k)
+                    with index_lock:
+                        local.search(queries[i], args.k)
                     out[i] = clock() - t0
 
             per = max(args.queries // conc, 50)
