@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("triton")
-
-if not torch.cuda.is_available():
+if not torch.cuda.is_available():  # before importing triton: the CPU tests need it interpreted
     pytest.skip("needs a CUDA device", allow_module_level=True)
+pytest.importorskip("triton")
 
 import kalos  # noqa: E402
 from kalos.testing import isolated_sidecar  # noqa: E402
