@@ -209,3 +209,56 @@ def test_one_sidecar_per_data_dir(sidecar: Start, tmp_path: Path) -> None:
     )  # fmt: skip
     assert proc.returncode == 2
     assert "another sidecar is using the data directory" in proc.stderr
+
+
+_SLOW_SNAPSHOT = """
+import os, sys, threading, time
+import numpy as np
+import kalos.index
+from kalos.server.dispatch import Dispatcher
+from kalos.server.durability import Durability
+from kalos.stores.memories import MemoryStore
+
+class Slow:  # a store whose snapshot writer outlives its parent unless something stops it
+    def snapshot(self, db, directory):
+        with open(sys.argv[2], "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(120)
+    def restore(self, db, directory):
+        pass
+
+store = MemoryStore(kalos.index.create("cpu:flat", dim=4))
+durability = Durability(sys.argv[1], Dispatcher(store), threading.Lock(), {"slow": Slow()})
+durability.recover()
+durability.wal.append(4, 0, np.zeros(8, np.uint8), 0)
+durability.snapshot()
+time.sleep(120)
+"""
+
+
+def test_a_snapshot_writer_dies_with_its_sidecar(tmp_path: Path) -> None:
+    data, pid_file = tmp_path / "data", tmp_path / "child.pid"
+    parent = subprocess.Popen([sys.executable, "-c", _SLOW_SNAPSHOT, str(data), str(pid_file)])
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not (pid_file.exists() and pid_file.read_text()):
+            assert parent.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        child = int(pid_file.read_text())
+        # It holds nothing of its parent's: no data directory lock, no sockets.
+        held = [os.readlink(f"/proc/{child}/fd/{fd}") for fd in os.listdir(f"/proc/{child}/fd")]
+        assert not [h for h in held if h.endswith("LOCK") or h.startswith("socket:")], held
+    finally:
+        parent.kill()
+        parent.wait()
+    while os.path.exists(f"/proc/{child}") and _state(child) != "Z":
+        assert time.monotonic() < deadline, "the snapshot writer outlived its sidecar"
+        time.sleep(0.02)
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "Z"

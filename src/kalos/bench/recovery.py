@@ -46,6 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=2, help="restarts per measurement")
     p.add_argument("--skip-wal-only", action="store_true")
     p.add_argument("--data-root", default=None, help="parent of the temporary data dirs")
+    p.add_argument("--sidecar-log", default=None, help="append the sidecars' stderr here")
 
 
 class Server:
@@ -63,7 +64,16 @@ class Server:
             "--runtime-dir", self.run_dir, "--data-dir", self.data, *extra,
         ]  # fmt: skip
         t0 = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        log = subprocess.DEVNULL
+        if self.args.sidecar_log:
+            with open(self.args.sidecar_log, "ab") as f:
+                f.write(f"--- {' '.join(cmd)}\n".encode())
+            log = os.open(self.args.sidecar_log, os.O_WRONLY | os.O_APPEND)
+        try:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=log)
+        finally:
+            if log != subprocess.DEVNULL:
+                os.close(log)
         wait_for_socket(self.sock, self.proc, timeout=300)
         wait_ready(self.sock, self.proc, timeout=300)
         return time.perf_counter() - t0
@@ -148,7 +158,7 @@ def _measure(server: Server, args, label: str, items, has_sessions, rows, stop_s
         for _ in range(args.repeat):
             if cache == "cold":
                 _evict(server.data)
-            seconds = server.start()
+            seconds = server.start("--snapshot-mb", "100000")  # no snapshot after recovery
             rec = _check(server, args, items, has_sessions, args.sessions)
             server.stop(signal.SIGKILL)  # no snapshot at stop: the next start sees the same
             rows.append(

@@ -371,12 +371,13 @@ class Durability:
         try:  # the child
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
-            # Die with the sidecar (a crash must not leave a writer behind), and do not keep
-            # the data directory's lock alive after it: a restart must get it at once.
+            # Die with the sidecar (a crash must not leave a writer behind), and let go of
+            # every descriptor it inherited: the listening socket and the data directory's
+            # lock must not outlive the sidecar, or a restart would find them taken.
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
             if os.getppid() != parent:
                 os._exit(1)
-            os.close(self._lock_fd)
+            os.closerange(3, os.sysconf("SC_OPEN_MAX"))
             self._write_stores(directory, lsn)
             code = 0
         except BaseException:
