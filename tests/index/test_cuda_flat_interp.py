@@ -18,6 +18,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 triton = pytest.importorskip("triton")
+if not hasattr(triton.runtime, "interpreter"):  # not imported when triton was imported first
+    import triton.runtime.interpreter
 
 from kalos.errors import InvalidRequest, NotFound  # noqa: E402
 from kalos.index.cuda_flat import CudaFlatIndex, parse_spec  # noqa: E402
@@ -283,6 +285,107 @@ def test_group_bound_needs_k_groups():
     _, got = idx.search(q, 10)
     assert {23 * bn + 6, 47 * bn + 6} <= set(got[0].tolist())
     check_search(idx, x, ids, None, q, 10)
+
+
+def _key(score: float, row: int) -> int:
+    """The kernels' int64 key of (fp32 score, row)."""
+    bits = int(np.array([score], dtype=np.float32).view(np.int32)[0])
+    return ((bits if bits >= 0 else bits ^ 0x7FFFFFFF) << 32) | int(row)
+
+
+def _race_index(nq: int):
+    """ip fp16, 900 rows, 24 programs of 16-row tiles: 384 candidates a query (> SURV = 256)."""
+    from kalos.index.kernels import ScanConfig
+
+    rng = np.random.default_rng(21)
+    dim = 64
+    x = rng.standard_normal((900, dim)).astype(np.float32)
+    ids = np.arange(900, dtype=np.int64) + 1  # row = id - 1
+    idx = make_index("ip", "fp16", dim, "cpu")
+    idx.scan_config = ScanConfig(
+        block_n=16, num_warps=4, num_stages=1, use_dot=True, skip=True, programs_per_sm=24
+    )
+    idx.add(x, ids)
+    q = rng.standard_normal((nq, dim)).astype(np.float32)
+    return idx, x, ids, q
+
+
+@pytest.mark.parametrize("nq", [1, 2])
+def test_scan_exact_whatever_was_published_before_it(nq):
+    """The scan's skip reads bounds that other programs publish while it runs; on the GPU a
+    program (or one warp of it) may see any of them: none yet, or every other program's. The
+    interpreter runs programs one after another, so here the state is seeded before the scan:
+    stale (nothing published), the strongest valid bound (just below the true k-th key), a
+    weaker one, and different ones for the two rows of a batch. The answer is the same."""
+    from kalos.index.kernels import KEY_NONE
+
+    k = 10
+    idx, x, ids, q = _race_index(nq)
+    s_ref, i_ref = idx.search(q, k)
+    kth = [_key(s_ref[r, k - 1], i_ref[r, k - 1] - 1) for r in range(nq)]
+    weak = [_key(s_ref[r, k - 1] - 1.0, 0) for r in range(nq)]
+    seeds = [[KEY_NONE] * nq, [c - 1 for c in kth], weak]
+    if nq == 2:
+        seeds += [[kth[0] - 1, KEY_NONE], [KEY_NONE, kth[1] - 1]]
+    qt = torch.from_numpy(q)
+    thr, slots, _ = idx._workspace(nq, k)["state"]
+    for seed in seeds:
+        for r in range(nq):
+            thr[r] = seed[r]
+            slots[r, :k] = seed[r]
+        scores = torch.full((nq, k), float("nan"))
+        got = torch.full((nq, k), -7, dtype=torch.int64)
+        idx.search_device(qt, k, out=(scores, got))
+        np.testing.assert_array_equal(got.numpy(), i_ref, err_msg=f"seed {seed}")
+        np.testing.assert_array_equal(scores.numpy(), s_ref)
+        assert (thr[:nq] == KEY_NONE).all() and (slots[:nq] == KEY_NONE).all(), "not reset"
+    check_search(idx, x, ids, None, q, k)
+
+
+def test_merge_compaction_across_chunks_and_overflow():
+    """merge_topk keeps the candidates at or above the final bound (a prefix sum, chunk by
+    chunk) and sorts those; with more than SURV it sorts every candidate. Same answer for any
+    valid bound and any chunk size: the scan's own bound, none (384 candidates: overflow),
+    exactly the top k, and 40 survivors spread over many 16-key chunks."""
+    from kalos.index.kernels import KEY_NONE
+    from kalos.index.kernels import scan_topk as st
+
+    k = 10
+    idx, _, _, q = _race_index(1)
+    s_ref, i_ref = idx.search(q, k)
+    qt = torch.from_numpy(q)
+    ws = idx._workspace(1, k)
+    thr, slots, surv = ws["state"]
+    cand = ws["cand"]
+    st.scan_topk(
+        idx._vecs, idx._sq, idx._scopes, idx._no_filter, qt, idx._n_dev, ws["state"], cand,
+        k=k, metric=0, scoped=False, programs=ws["programs"], cfg=ws["cfg"],
+    )  # fmt: skip
+    left = (thr.clone(), slots.clone())
+    flat = cand.view(1, -1)
+    assert flat.shape[1] == 384
+    srt = torch.sort(flat[0], descending=True).values
+    kth = _key(s_ref[0, k - 1], i_ref[0, k - 1] - 1)
+    assert int(srt[k - 1]) == kth
+    states = [left, KEY_NONE, kth - 1, int(srt[39]) - 1]
+    for chunk in (16, 64, None):
+        for seed in states:
+            if isinstance(seed, tuple):
+                thr.copy_(seed[0])
+                slots.copy_(seed[1])
+            else:
+                thr.fill_(seed)
+                slots.fill_(seed)
+            surv.fill_(-5)  # stale scratch: never read beyond what this merge wrote
+            scores = torch.full((1, k), float("nan"))
+            got = torch.full((1, k), -7, dtype=torch.int64)
+            st.merge_topk(
+                flat, ws["state"], idx._ids, qt, scores, got, k=k, metric=0, select=True,
+                chunk=chunk,
+            )  # fmt: skip
+            np.testing.assert_array_equal(got.numpy(), i_ref, err_msg=f"{chunk} {seed}")
+            np.testing.assert_array_equal(scores.numpy(), s_ref)
+            assert int(thr[0]) == KEY_NONE and (slots[0] == KEY_NONE).all()
 
 
 def test_k_1024_and_more_than_n():

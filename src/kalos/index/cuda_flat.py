@@ -415,7 +415,8 @@ class CudaFlatIndex:
     def _workspace(self, nq: int, k: int, private: bool = False) -> dict[str, Any]:
         """Scratch for one (batch, k): the scan's state (thresholds, group bests, survivors),
         candidates or general-path keys. Shared (cached per index, dropped when storage moves)
-        unless ``private`` (graphs)."""
+        unless ``private`` (graphs). Searches that share one must run one after another on one
+        stream: the merge resets the state that the next scan starts from."""
         key = (nq, k)
         if not private and key in self._workspaces:
             return self._workspaces[key]
@@ -428,7 +429,6 @@ class CudaFlatIndex:
             "state": (
                 torch.full((nq,), none, dtype=torch.int64, device=dev),  # thr
                 torch.full((nq, kp), none, dtype=torch.int64, device=dev),  # slots
-                torch.zeros((nq,), dtype=torch.int32, device=dev),  # cnt
                 torch.empty((nq, kern.survivors_width(k)), dtype=torch.int64, device=dev),
             )
         }

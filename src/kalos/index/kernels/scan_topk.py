@@ -6,23 +6,37 @@ Search of ``nq`` queries against ``n`` live rows is two launches:
     A fixed grid of ``P`` persistent programs (a few per multiprocessor). Program ``p`` walks
     the row tiles ``p, p + P, p + 2P, ...`` of ``BLOCK_N`` rows. For each tile it scores every row
     (tensor-core ``tl.dot`` or plain FMAs), packs each score and its row into one sortable int64
-    key, and takes the tile's largest key. Only when that key beats the best *published* k-th key
-    of its query (``thr``, one int64 per query in device memory, raised with ``atomic_max`` by every
-    program whose own list improves) does the program sort the tile (``tl.topk``, bitonic) and
-    merge it into its running top-``KP`` list. After the first tiles a tile almost never beats the
-    global threshold, so selection costs one max-reduction and one compare per tile and the pass
-    runs at the speed of the loads, which ``num_stages`` keeps in flight (``cp.async``).
-    Each program writes its sorted top-``KP`` list: ``P * KP`` candidates per query.
+    key, and takes the tile's largest key. Only when that key beats a lower bound of the query's
+    k-th best key does the program sort the tile (bitonic) and merge it into its running
+    top-``KP`` list. The bound is read from device memory that every program raises while the
+    scan runs (``thr``: the largest k-th key of one program's list; ``slots``: the best key of
+    each of k program groups, ``pid % k``). After the first tiles a tile almost never beats it,
+    so selection costs one max-reduction and one compare per tile and the pass runs at the speed
+    of the loads. Each program writes its sorted top-``KP`` list: ``P * KP`` candidates a query.
 
 ``merge_topk`` (``_merge_topk_kernel``)
-    One program per query: bitonic top-``KP`` over the ``P * KP`` candidates, decode keys to
-    (score, row), map rows to ids, apply the metric's final transform, write ``k`` results, and
-    reset ``thr`` for the next search (so a captured CUDA graph needs no separate reset node).
+    One program per query. The scan is over, so the bound is final and stable: it keeps the
+    candidates at or above it (compacted into ``surv`` with a prefix sum; usually a few dozen),
+    takes the top-``KP`` of those (all candidates if more than ``SURV`` pass), decodes keys to
+    (score, row), maps rows to ids, applies the metric's final transform, writes ``k`` results,
+    and resets ``thr`` and ``slots`` for the next search (so a captured CUDA graph needs no
+    separate reset node).
 
-Why skipping on the published threshold is exact: a program publishes the key of the k-th entry
-of its own list, so at least ``k`` rows have keys >= ``thr``; a tile whose largest key is below
-``thr`` holds no row of the final top-k. Keys are unique (the row is in the low bits), so there
-are no ties between keys.
+Why the skip is exact: ``thr`` is the k-th key of some program's list, so at least ``k`` rows
+have keys >= ``thr``; the ``k`` group bests come from ``k`` disjoint sets of programs, hence
+from ``k`` distinct rows, so at least ``k`` keys are >= their minimum. Either is at most the
+true k-th key, whenever it is read. A tile whose largest key is at most the bound holds no row
+of the final top-k (keys are unique: the row is in the low bits).
+
+Threads of one program may disagree about the bound (bench/NOTES-gpu.md, "the race"). The bound
+lives in memory that other programs change while this one runs, and each warp reads it with its
+own loads, at its own time; Triton assumes that every thread holding a copy of a tensor element
+holds the same value, and layout conversions may take an element from any of them. So nothing
+in the scan may depend on the bound being the same in all threads: the skip decision is the OR
+over the program's threads of each thread's own decision (``_cta_any``: one barrier reduction),
+so the branch is uniform and a tile is skipped only when every thread's bound -- each a valid
+one -- allows it; and the survivor selection, which needs one bound for all its steps, is done
+in ``merge_topk``, where the bound no longer moves.
 
 Key layout (int64): high 32 bits = the fp32 score's bits mapped to a signed order-preserving int
 (``b if b >= 0 else b ^ 0x7FFFFFFF``), low 32 bits = the row. ``KEY_NONE`` (int64 min) marks
@@ -228,6 +242,25 @@ def _scope_mask(scope_ptr, filt_ptr, rows, rmask, cap):
     return rmask & ok
 
 
+# ------------------------------------------------------------------------- one program's OR
+
+
+@triton.jit
+def _cta_any(x):
+    # x: int32 scalar, this thread's own view -> 1 in every thread of the program if x != 0
+    # in any of them, else 0 (PTX bar.red.or: a barrier that reduces a predicate, as CUDA's
+    # __syncthreads_or). Every thread must reach it, once per call.
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred %pin, %pout; setp.ne.s32 %pin, $1, 0; "
+        "bar.red.or.pred %pout, 0, %pin; selp.s32 $0, 1, 0, %pout; }",
+        "=r,r",
+        [x],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
 # ---------------------------------------------------------------------------------- kernels
 
 
@@ -241,8 +274,6 @@ def _scan_topk_kernel(
     n_ptr,  # n: [1] int32, live rows; rows [0, n) are scanned
     thr_ptr,  # thr: [>= nq] int64, largest published k-th key of one program; KEY_NONE at entry
     slot_ptr,  # slots: [nq, KP] int64, best key of program group j = pid % k; KEY_NONE at entry
-    cnt_ptr,  # cnt: [>= nq] int32, survivors appended; 0 at entry
-    surv_ptr,  # surv: [nq, SURV] int64, keys that can still be in the top-k (when cnt <= SURV)
     cand_ptr,  # cand: [nq, P, KP] int64, each program's top-KP keys, sorted descending
     nq,
     k,
@@ -254,7 +285,6 @@ def _scan_topk_kernel(
     BLOCK_Q: tl.constexpr,  # >= 16 (a dot operand), >= BQS
     BQS: tl.constexpr,  # queries selected for: next_pow2(nq)
     KP: tl.constexpr,
-    SURV: tl.constexpr,
     METRIC: tl.constexpr,
     SCOPED: tl.constexpr,
     USE_DOT: tl.constexpr,
@@ -262,6 +292,7 @@ def _scan_topk_kernel(
     PREC: tl.constexpr,
     DOT_F32: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    CTA_OR: tl.constexpr,  # the skip decision through _cta_any (GPU; not under the interpreter)
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -307,11 +338,15 @@ def _scan_topk_kernel(
             tmax = tl.max(keys, axis=1)  # [BQS]
             # volatile: other programs raise these while this one runs; a stale value only
             # skips less. Two lower bounds of the k-th key: the best published k-th key of one
-            # program, and the least of the k group bests (k distinct rows).
+            # program, and the least of the k group bests (k distinct rows). Threads may read
+            # different values (module doc): each decides with its own, and the program merges
+            # the tile if any of them says so, which keeps the branch uniform.
             thr = tl.load(thr_ptr + qs, mask=qs_ok, other=_KEY_NONE, volatile=True)
             best = tl.load(slots, mask=slots_ok, other=_KEY_MAX, volatile=True)
             bound = tl.maximum(thr, tl.min(best, axis=1))
             hit = tl.max((tmax > bound).to(tl.int32), axis=0)
+            if CTA_OR:
+                hit = _cta_any(hit)
         else:
             hit = 1
         if hit > 0:
@@ -324,26 +359,14 @@ def _scan_topk_kernel(
 
     out = cand_ptr + qs[:, None] * (P * KP) + pid * KP + kk[None, :]
     tl.store(out, run, mask=qs_ok[:, None])
-    # Survivors: this program's keys at or above the bound now (a prefix of the sorted run)
-    # are appended to a short per-query list; every true top-k key is among them, since the
-    # bound never passes the true k-th key. merge_topk sorts only those, unless they overflow.
-    thr = tl.load(thr_ptr + qs, mask=qs_ok, other=_KEY_NONE, volatile=True)
-    best = tl.load(slots, mask=slots_ok, other=_KEY_MAX, volatile=True)
-    bound = tl.maximum(thr, tl.min(best, axis=1))
-    live = (run >= bound[:, None]) & (run != _KEY_NONE) & qs_ok[:, None]
-    count = tl.sum(live.to(tl.int32), axis=1)  # [BQS]
-    at = tl.atomic_add(cnt_ptr + qs, count, mask=qs_ok & (count > 0), sem="relaxed")
-    pos = at[:, None] + kk[None, :]
-    tl.store(surv_ptr + qs[:, None] * SURV + pos, run, mask=live & (pos < SURV))
 
 
 @triton.jit
 def _merge_topk_kernel(
     cand_ptr,  # cand: [nq, NCAND] int64 keys (SELECT) or [nq, NCAND] sorted keys (not SELECT)
-    thr_ptr,  # thr: [>= nq] int64, reset to KEY_NONE here (when SELECT)
-    slot_ptr,  # slots: [nq, KP] int64, reset to KEY_NONE here (when SELECT)
-    cnt_ptr,  # cnt: [>= nq] int32 survivors, reset to 0 here (when SELECT)
-    surv_ptr,  # surv: [nq, SURV] int64 survivors (when SELECT)
+    thr_ptr,  # thr: [>= nq] int64, read then reset to KEY_NONE here (when SELECT)
+    slot_ptr,  # slots: [nq, KP] int64, read then reset to KEY_NONE here (when SELECT)
+    surv_ptr,  # surv: [nq, SURV] int64 scratch: the candidates at or above the bound (SELECT)
     ids_ptr,  # ids: [cap] int64, row -> id
     q_ptr,  # q: [nq, D] (read for METRIC == 2: |q|^2)
     scores_ptr,  # out scores: [nq, k] fp32, row stride stride_os
@@ -365,13 +388,30 @@ def _merge_topk_kernel(
     kk = tl.arange(0, KP)
     base = cand_ptr + qid.to(tl.int64) * NCAND
     if SELECT:
-        count = tl.load(cnt_ptr + qid)
-        if count <= SURV:  # the usual case: sort the few survivors
+        # The scan has finished: nothing writes thr or the group bests while this runs, so
+        # every thread reads the same bound, and it is at most the true k-th key.
+        thr = tl.load(thr_ptr + qid)
+        best = tl.load(slot_ptr + qid * KP + kk, mask=kk < k, other=_KEY_MAX)
+        bound = tl.maximum(thr, tl.min(best, axis=0))
+        # Survivors: the candidates >= bound (every true top-k key is one), compacted into
+        # surv by a prefix sum over the candidates (no atomics, no order assumed).
+        offs = tl.arange(0, CHUNK)
+        sbase = surv_ptr + qid.to(tl.int64) * SURV
+        total = 0
+        for c0 in range(0, NCAND, CHUNK):
+            c = tl.load(base + c0 + offs, mask=c0 + offs < NCAND, other=_KEY_NONE)
+            live = ((c >= bound) & (c != _KEY_NONE)).to(tl.int32)
+            pos = total + tl.cumsum(live, axis=0) - 1
+            tl.store(sbase + pos, c, mask=(live != 0) & (pos < SURV))
+            total += tl.sum(live, axis=0)
+        # the survivors stored above are read below by other threads of this program; and
+        # every thread has read thr and the group bests before they are reset further down
+        tl.debug_barrier()
+        if total <= SURV:  # the usual case: sort the few survivors
             so = tl.arange(0, SURV)
-            sv = tl.load(surv_ptr + qid * SURV + so, mask=so < count, other=_KEY_NONE)
+            sv = tl.load(sbase + so, mask=so < total, other=_KEY_NONE)
             top = _topk_desc(sv[None, :], KP)
-        else:  # too many (no or weak bound): every program's list
-            offs = tl.arange(0, CHUNK)
+        else:  # too many (weak bound): every program's list
             c = tl.load(base + offs, mask=offs < NCAND, other=_KEY_NONE)
             top = _topk_desc(c[None, :], KP)
             for c0 in range(CHUNK, NCAND, CHUNK):
@@ -381,7 +421,6 @@ def _merge_topk_kernel(
         # reset the search state for the next search (a captured graph needs no reset node)
         tl.store(thr_ptr + qid, _KEY_NONE)
         tl.store(slot_ptr + qid * KP + kk, tl.full([KP], _KEY_NONE, tl.int64))
-        tl.store(cnt_ptr + qid, 0)
     else:
         key = tl.load(base + kk, mask=kk < NCAND, other=_KEY_NONE)
     s, row = _scores_from_keys(key)
@@ -575,6 +614,29 @@ def survivors_width(k: int) -> int:
     return 16 * key_width(k)
 
 
+def merge_chunk(ncand: int, k: int) -> int:
+    """Candidates per step of merge_topk (one step for up to 8192: ~500 programs at k <= 16)."""
+    return max(key_width(k), min(8192, next_pow2(max(ncand, key_width(k)))))
+
+
+_SKIP_MODE: str | None = None
+
+
+def _skip_mode() -> str:
+    """How the scan makes its skip decision uniform: "interp" (TRITON_INTERPRET: one thread a
+    program, nothing to do), "ptx" (NVIDIA: bar.red.or), or "off" (another backend: no skip)."""
+    global _SKIP_MODE
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "interp"
+    if _SKIP_MODE is None:
+        try:
+            backend = triton.runtime.driver.active.get_current_target().backend
+        except Exception:  # pragma: no cover - no driver
+            backend = "unknown"
+        _SKIP_MODE = "ptx" if backend == "cuda" else "off"
+    return _SKIP_MODE
+
+
 def scan_topk(
     db,
     sqnorms,
@@ -595,7 +657,7 @@ def scan_topk(
 
     db: [cap, D] fp16 | bf16 | fp32; sqnorms: [cap] fp32; scopes: [3, cap] int64; filt: [3] int64;
     q: [nq, D] (unit stride in D); n_dev: [1] int32; state: (thr [>= nq] int64 KEY_NONE,
-    slots [nq, KP] int64 KEY_NONE, cnt [>= nq] int32 0, surv [nq, SURV] int64), all reset by
+    slots [nq, KP] int64 KEY_NONE, surv [nq, SURV] int64 scratch), thr and slots reset by
     merge_topk; cand: [nq, programs, KP] int64, written. No host sync, no allocation.
     """
     nq, dim = q.shape
@@ -603,7 +665,8 @@ def scan_topk(
     bn = max(cfg.block_n, kp)
     use_dot = cfg.use_dot or nq > 1
     prec = "ieee" if db.dtype.itemsize == 4 else "tf32"
-    thr, slots, cnt, surv = state
+    mode = _skip_mode()
+    thr, slots, _surv = state
     _scan_topk_kernel[(programs,)](
         db,
         sqnorms,
@@ -613,8 +676,6 @@ def scan_topk(
         n_dev,
         thr,
         slots,
-        cnt,
-        surv,
         cand,
         nq,
         k,
@@ -626,14 +687,14 @@ def scan_topk(
         BLOCK_Q=block_q(nq),
         BQS=next_pow2(nq),
         KP=kp,
-        SURV=surv.shape[1],
         METRIC=metric,
         SCOPED=scoped,
         USE_DOT=use_dot,
-        SKIP=cfg.skip,
+        SKIP=cfg.skip and mode != "off",
         PREC=prec,
         DOT_F32=_dot_f32(db),
         NUM_STAGES=cfg.num_stages,
+        CTA_OR=mode == "ptx",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -651,24 +712,25 @@ def merge_topk(
     metric: int,
     select: bool,
     num_warps: int = 8,
+    chunk: int | None = None,
 ) -> None:
     """Final top-k per query, decoded to (score, id).
 
     cand: [nq, NCAND] int64 keys (any order when select, sorted descending otherwise);
-    state: scan_topk's (thr, slots, cnt, surv), reset here when select; ids: [cap] int64;
-    q: [nq, D]; scores_out: [nq, k] fp32 and ids_out: [nq, k] int64, unit stride in k.
-    No host sync.
+    state: scan_topk's (thr, slots, surv); thr and slots are read and reset here when select;
+    ids: [cap] int64; q: [nq, D]; scores_out: [nq, k] fp32 and ids_out: [nq, k] int64, unit
+    stride in k. chunk: candidates per step (a power of two >= KP; tests). No host sync.
     """
     nq, ncand = cand.shape
     dim = q.shape[1]
     kp = key_width(k)
-    chunk = min(4096, next_pow2(max(ncand, kp)))
-    thr, slots, cnt, surv = state
+    if chunk is None:
+        chunk = merge_chunk(ncand, k)
+    thr, slots, surv = state
     _merge_topk_kernel[(nq,)](
         cand,
         thr,
         slots,
-        cnt,
         surv,
         ids,
         q,
@@ -683,7 +745,7 @@ def merge_topk(
         BLOCK_D=block_d(dim),
         KP=kp,
         SURV=surv.shape[1],
-        CHUNK=max(chunk, kp),
+        CHUNK=max(next_pow2(chunk), kp),
         METRIC=metric,
         SELECT=select,
         num_warps=num_warps,
