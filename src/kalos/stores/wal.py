@@ -498,18 +498,25 @@ class WriteAheadLog:
             if self._error and not self._fatal and time.monotonic() >= self._retry_at:
                 self._flush(sync=True)
                 continue
+            # Sync a duplicate of the descriptor without holding the I/O lock: the poller's
+            # write()s (the acknowledgements) must not wait for this fdatasync.
             with self._io:
                 if self._fd < 0 or self._written <= self._synced or self._fatal:
                     continue
                 last = self._written
-                try:
-                    _fdatasync(self._fd)
-                except OSError as exc:
-                    self._sync_failed(last, exc)
-                    continue
-                self.syncs += 1
-                self.synced_records += last - self._synced
-                self._synced = last
+                fd = os.dup(self._fd)
+            try:
+                _fdatasync(fd)
+            except OSError as exc:
+                self._sync_failed(last, exc)
+                continue
+            finally:
+                os.close(fd)
+            with self._io:
+                if last > self._synced:
+                    self.syncs += 1
+                    self.synced_records += last - self._synced
+                    self._synced = last
 
     # -- segments ------------------------------------------------------------------------------
 
