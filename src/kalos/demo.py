@@ -12,6 +12,7 @@ import argparse
 import time
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from kalos import Scope
 from kalos import index as kindex
@@ -87,11 +88,12 @@ def run(args: argparse.Namespace) -> int:
                     wrong += int(not np.array_equal(np.sort(r.ids), np.sort(want)))
             rows.append(summarize(system, samples))
         samples = np.zeros(args.recalls, np.int64)
-        for i, q in enumerate(queries):
-            t = time.perf_counter_ns()
-            reference.search(q, 10)
-            samples[i] = time.perf_counter_ns() - t
-        rows.append(summarize("in-process numpy (no payloads)", samples))
+        with threadpool_limits(limits=1):  # the sidecar's own setting (--compute-threads 1)
+            for i, q in enumerate(queries):
+                t = time.perf_counter_ns()
+                reference.search(q, 10)
+                samples[i] = time.perf_counter_ns() - t
+        rows.append(summarize("in-process numpy, 1 thread (no payloads)", samples))
         uds.close()
         client.close()
     print(f"\ntop-10 recall over {args.memories:,} memories, {args.recalls:,} queries each:")
