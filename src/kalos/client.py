@@ -481,15 +481,15 @@ class Client:
         t = self._channel()
         if type(session) is not str or not session:
             raise InvalidRequest("a session id must be a non-empty str")
-        if not 0 <= max_tokens < M.NO_LIMIT:
-            raise InvalidRequest(f"max_tokens must be between 0 and {M.NO_LIMIT - 1}")
+        if not 0 <= max_tokens < _NO_LIMIT:
+            raise InvalidRequest(f"max_tokens must be between 0 and {_NO_LIMIT - 1}")
         if max_turns is None:
-            max_turns = M.NO_LIMIT
-        elif not 0 <= max_turns < M.NO_LIMIT:
-            raise InvalidRequest(f"max_turns must be between 0 and {M.NO_LIMIT - 1}, or None")
-        sb = M.EMPTY_SCOPE if scope is None else scope_bytes(scope)
+            max_turns = _NO_LIMIT
+        elif not 0 <= max_turns < _NO_LIMIT:
+            raise InvalidRequest(f"max_turns must be between 0 and {_NO_LIMIT - 1}, or None")
+        sb = _EMPTY_SCOPE if scope is None else scope_bytes(scope)
         n = M.encode_context(t.request_buffer, session.encode(), max_tokens, max_turns, sb)
-        resp = self._call(t, Op.CONTEXT, _TURNS if turns else 0, n, timeout, start)
+        resp = self._call(t, _CONTEXT, _TURNS if turns else 0, n, timeout, start)
         tokens, meta, text, system = M.decode_context_response(resp.body, len(resp.body))
         if copy:
             tokens = tokens.copy()
@@ -722,6 +722,9 @@ def session_scope_bytes(session: str, scope: Scope | None) -> M.ScopeBytes:
 
 _INT32 = np.iinfo(np.int32)
 _TURNS = int(codes.ContextFlag.TURNS)
+_CONTEXT = int(Op.CONTEXT)
+_NO_LIMIT = M.NO_LIMIT
+_EMPTY_SCOPE = M.EMPTY_SCOPE
 
 
 def _token_ids(tokens: np.ndarray | Sequence[int]) -> np.ndarray:

@@ -286,3 +286,22 @@ def test_garbled_bodies_raise_only_invalid_request(data: st.DataObject) -> None:
 
 def test_codes_reexport() -> None:
     assert codes.PAYLOAD_TEXT == 1 and codes.PAYLOAD_BYTES == 2  # event data kinds
+
+
+@pytest.mark.parametrize(
+    "turns",
+    [
+        [("user", "plain ascii"), ("assistant", ""), ("", "x")],
+        [("user", "ünïcødé ✓"), ("assistant", "ascii"), ("tool", "用户")],
+        [],
+    ],
+)
+def test_split_turns(turns: list[tuple[str, str]]) -> None:
+    meta = b"".join(struct.pack("<IIII", len(r.encode()), len(t.encode()), 0, 0) for r, t in turns)
+    text = b"".join(r.encode() + t.encode() for r, t in turns)
+    assert M.split_turns(meta, text) == turns
+
+
+def test_split_turns_refuses_bad_utf8() -> None:
+    with pytest.raises(InvalidRequest):
+        M.split_turns(struct.pack("<IIII", 1, 1, 0, 0), b"\xff\xfe")

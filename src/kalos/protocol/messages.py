@@ -519,12 +519,11 @@ def encode_context(
 ) -> int:
     """Writes a CONTEXT body with one struct call; returns its length."""
     a, b, c = len(sb.tenant), len(sb.user), len(session)
-    size = 32 + _pad8(a + b + c)
-    _fit(size, len(buf), "context request")
-    _context_struct(a + b + c).pack_into(
-        buf, 0, max_tokens, max_turns, 0, a, b, c, 0, sb.tenant + sb.user + session
-    )
-    return size
+    s = _CONTEXT_STRUCTS.get(a + b + c) or _context_struct(a + b + c)
+    if s.size > len(buf):
+        _fit(s.size, len(buf), "context request")
+    s.pack_into(buf, 0, max_tokens, max_turns, 0, a, b, c, 0, sb.tenant + sb.user + session)
+    return s.size
 
 
 _CONTEXT_STRUCTS: dict[int, struct.Struct] = {}
@@ -543,13 +542,19 @@ the other CONTEXT helpers' results: a NamedTuple costs ~0.25 µs to build on thi
 
 
 def decode_context(buf: np.ndarray, end: int) -> ContextRequest:
-    _need(32, end)
+    if end < 32:
+        _need(32, end)
     max_tokens, max_turns, _, a, b, c, _ = _CTX_HEAD.unpack_from(buf, 0)
-    _need(32 + a + b + c, end)
-    raw = buf[32 : 32 + a + b + c].tobytes()
+    if 32 + a + b + c > end:
+        _need(32 + a + b + c, end)
     try:
-        session = raw[a + b :].decode()
-        scope = Scope(raw[:a].decode() or None, raw[a : a + b].decode() or None) if a or b else None
+        if a or b:
+            raw = buf[32 : 32 + a + b + c].tobytes()
+            session = raw[a + b :].decode()
+            scope = Scope(raw[:a].decode() or None, raw[a : a + b].decode() or None)
+        else:  # the common case: no filter
+            session = buf[32 : 32 + c].tobytes().decode()
+            scope = None
     except UnicodeDecodeError as exc:
         raise InvalidRequest("scope is not valid UTF-8") from exc
     if not session:
@@ -629,6 +634,16 @@ def split_turns(meta: bytes, text: bytes) -> list[tuple[str, str]]:
     """(role, text) of each turn of a CONTEXT response."""
     out = []
     x = 0
+    try:
+        whole = text.decode()
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest("a turn's text is not valid UTF-8") from exc
+    if len(whole) == len(text):  # ASCII: byte offsets are character offsets, slice the str
+        for role_len, text_len, _n, _ in struct.iter_unpack("<IIII", meta):
+            y = x + role_len
+            out.append((whole[x:y], whole[y : y + text_len]))
+            x = y + text_len
+        return out
     try:
         for role_len, text_len, _n, _ in struct.iter_unpack("<IIII", meta):
             out.append(
