@@ -195,6 +195,27 @@ def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
+def source_revision() -> str:
+    """The git commit the benchmark ran from (``+dirty`` with uncommitted changes), or "?"."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        rev = subprocess.run(
+            ["git", "-C", here, "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+    return rev + ("+dirty" if dirty else "")
+
+
 def run(args: argparse.Namespace) -> int:
     sessions = make_sessions(args)
     names = list(sessions)
@@ -336,6 +357,7 @@ def run(args: argparse.Namespace) -> int:
         targets=targets,
         load_average_before=load_before,
         load_average_after=load_after,
+        source=source_revision(),
     )
     print(f"wrote {path}")
     return 1 if mismatches else 0
