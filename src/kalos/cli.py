@@ -9,6 +9,7 @@ import signal
 import sys
 
 from kalos.errors import KalosError
+from kalos.server.admin import DEFAULT_ADMIN_PORT
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -30,6 +31,11 @@ def _serve(args: argparse.Namespace) -> int:
         fsync=args.fsync,
         snapshot_bytes=max(1, int(args.snapshot_mb * (1 << 20))),
         tokenizer=args.tokenizer,
+        # No --admin-port: the default port if it is free; an explicit one must be.
+        admin_port=None
+        if args.no_admin
+        else (DEFAULT_ADMIN_PORT if args.admin_port is None else args.admin_port),
+        admin_port_strict=args.admin_port is not None,
         limits=Limits(
             max_turn_tokens=args.max_turn_tokens,
             max_turn_bytes=args.max_turn_bytes,
@@ -139,6 +145,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-state-bytes", type=int, default=256 << 10, help="a state value or event's data"
     )
+    serve.add_argument(
+        "--admin-port",
+        type=int,
+        default=None,
+        help="serve /healthz, /readyz and /metrics on 127.0.0.1:PORT "
+        f"(default {DEFAULT_ADMIN_PORT}: skipped with a warning when taken; an explicit port "
+        "must be free; 0: any free port, "
+        "logged and shown by kalos status as admin_port)",
+    )
+    serve.add_argument("--no-admin", action="store_true", help="no admin HTTP endpoint")
     serve.set_defaults(func=_serve)
 
     status = sub.add_parser("status", help="print a running sidecar's stats as JSON")

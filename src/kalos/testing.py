@@ -127,6 +127,8 @@ def isolated_sidecar(
             runtime_dir,
             *extra_args,
         ]
+        if not any(a.startswith(("--admin-port", "--no-admin")) for a in extra_args):
+            cmd += ["--admin-port", "0"]  # a free port each: sidecars in parallel never collide
         proc = subprocess.Popen(cmd, stderr=stderr)
         sidecar = RunningSidecar(name, runtime_dir, proc)
         try:

@@ -25,6 +25,7 @@ from kalos.protocol.messages import encode_text
 from kalos.transport.memory import SharedMemory, create
 
 if TYPE_CHECKING:
+    from kalos.server.admin import RequestStats
     from kalos.server.durability import Durability
 
 log = logging.getLogger("kalos.server")
@@ -98,6 +99,7 @@ class Poller:
         self._bell = a + L.CTRL_BELL
         self._hb_ns = a + L.CTRL_HEARTBEAT_NS
         self._hb_count = a + L.CTRL_HEARTBEAT_COUNT
+        self.metrics: RequestStats | None = None  # set by the admin endpoint (kalos.server.admin)
 
     def add(self, ch: ServerChannel) -> None:
         self.channels = (*self.channels, ch)
@@ -156,6 +158,7 @@ class Poller:
         journal.commit()
         held = self._held
         done = 0
+        metrics = self.metrics
         for lsn, ch, seq, status, n, queue_ns, compute_ns, write_ns in held:
             outcome = journal.outcome(lsn)
             if outcome is None:
@@ -166,7 +169,11 @@ class Poller:
             L.RESP_FIELDS.pack_into(
                 ch.buf, L.RESP_STATUS, status, 0, n, queue_ns, compute_ns, write_ns
             )
+            # The request's op, read before the publish lets the client write the next one.
+            op = L.REQ_FIELDS.unpack_from(ch.buf, L.REQ_OP)[0] if metrics is not None else 0
             _publish(ch.resp_seq, seq, ch.client_parked, ch.client_bell)
+            if metrics is not None:
+                metrics.record(op, status, queue_ns, compute_ns, write_ns)
             done += 1
         if done:
             del held[:done]
@@ -202,6 +209,8 @@ class Poller:
         op, flags, body_len, publish_ns, deadline_ns = L.REQ_FIELDS.unpack_from(buf, L.REQ_OP)
         queue_ns = picked - publish_ns if 0 < publish_ns <= picked else 0
         if body_len > ch.arena_bytes:
+            if self.metrics is not None:
+                self.metrics.oversized += 1
             status = Status.PAYLOAD_TOO_LARGE
             n = encode_text(ch.resp_arena, f"request body of {body_len} bytes exceeds the arena")
             compute_ns = write_ns = 0
@@ -224,3 +233,6 @@ class Poller:
         ch.last_seq = seq
         ch.requests += 1
         _publish(ch.resp_seq, seq, ch.client_parked, ch.client_bell)
+        metrics = self.metrics
+        if metrics is not None:  # after the publish: the client is not kept waiting for it
+            metrics.record(op, status, queue_ns, compute_ns, write_ns)

@@ -45,6 +45,11 @@ class SidecarConfig:
     # captured search graphs stay valid). 0: grow on demand.
     reserve: int = 0
     limits: Limits = dataclasses.field(default_factory=Limits)
+    # The admin HTTP endpoint on 127.0.0.1 (kalos.server.admin): None turns it off; 0 picks a
+    # free port. With admin_port_strict False a taken port only logs a warning (the CLI's
+    # default port); an explicit port that is taken stops the start.
+    admin_port: int | None = None
+    admin_port_strict: bool = True
 
     def __post_init__(self) -> None:
         check_name(self.name)
@@ -61,6 +66,8 @@ class SidecarConfig:
         FsyncPolicy.parse(self.fsync)  # ConfigError when malformed
         if self.snapshot_bytes < 1 or self.wal_segment_bytes < 4096:
             raise ConfigError("snapshot_bytes must be positive and wal_segment_bytes >= 4096")
+        if self.admin_port is not None and not 0 <= self.admin_port <= 65535:
+            raise ConfigError(f"admin_port must be between 0 and 65535, got {self.admin_port}")
 
     @property
     def index_spec(self) -> str:

@@ -11,6 +11,7 @@ a short recovery is invisible to clients, a long one is reported, never served h
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import logging
@@ -36,6 +37,7 @@ from kalos.transport.handshake import recv_message, send_message
 from kalos.transport.uds import recv_exactly
 
 if TYPE_CHECKING:
+    from kalos.server.admin import Metrics, RequestStats
     from kalos.server.durability import Durability
 
 log = logging.getLogger("kalos.server")
@@ -75,6 +77,9 @@ class Listener:
         self.connects = 0
         self.refused = 0
         self.uds_connections = 0
+        self.disconnects = 0  # accepted connections that ended
+        self.rejected: collections.Counter[str] = collections.Counter()  # handshakes, by error
+        self.metrics: Metrics | None = None  # request metrics (kalos.server.admin), if served
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(path)
         os.chmod(path, 0o660 if config.allowed_gid is not None else 0o600)
@@ -142,10 +147,12 @@ class Listener:
             os.close(fd)
         if not self.ready.wait(STARTING_HOLD_S):
             message = "the sidecar is starting (recovering its data); retry shortly"
+            self.rejected["starting"] += 1
             send_message(conn, {"ok": False, "error": "starting", "message": message})
             return
         reply = self._negotiate(hello)
         if not reply["ok"]:
+            self.rejected[reply["error"]] += 1
             send_message(conn, reply)
             return
         self.connects += 1
@@ -153,10 +160,14 @@ class Listener:
         if hello.get("transport") == "uds":
             send_message(conn, reply)
             self.uds_connections += 1
+            stats = self.metrics.stats("uds") if self.metrics is not None else None
             try:
-                self._serve_uds(conn, reply["arena_bytes"])
+                self._serve_uds(conn, reply["arena_bytes"], stats)
             finally:
                 self.uds_connections -= 1
+                self.disconnects += 1
+                if stats is not None and self.metrics is not None:
+                    self.metrics.retire(stats)
             return
         ch = ServerChannel(next(self._ids), self._epoch, reply["arena_bytes"])
         reply["channel_id"] = ch.id
@@ -175,6 +186,7 @@ class Listener:
                 pass
         finally:
             self._poller.remove(ch)
+            self.disconnects += 1
             if ch.gpu is not None:
                 with self._lock:
                     ch.gpu.free()
@@ -220,8 +232,10 @@ class Listener:
             server_pid=os.getpid(),
         )
 
-    def _serve_uds(self, conn: socket.socket, arena: int) -> None:
-        """Serves request frames on ``conn`` until it closes."""
+    def _serve_uds(
+        self, conn: socket.socket, arena: int, stats: RequestStats | None = None
+    ) -> None:
+        """Serves request frames on ``conn`` until it closes (counting them into ``stats``)."""
         head = np.zeros(L.REQ_FRAME.size, np.uint8)
         head_view = memoryview(head)
         body = np.zeros(arena, np.uint8)
@@ -238,6 +252,8 @@ class Listener:
             picked = time.monotonic_ns()
             if body_len > arena:
                 # The stream cannot be resynchronised past a frame we will not read.
+                if stats is not None:
+                    stats.oversized += 1
                 n = encode_text(resp, f"request body of {body_len} bytes exceeds the arena")
                 L.RESP_FRAME.pack_into(out, 0, seq, Status.PAYLOAD_TOO_LARGE, 0, n, 0, 0, 0)
                 conn.sendall(out_view[: L.RESP_FRAME.size + n])
@@ -259,3 +275,5 @@ class Listener:
                         status, n = Status.SERVER_ERROR, encode_text(resp, outcome)
             L.RESP_FRAME.pack_into(out, 0, seq, status, 0, n, queue_ns, compute_ns, write_ns)
             conn.sendall(out_view[: L.RESP_FRAME.size + n])
+            if stats is not None:
+                stats.record(op, status, queue_ns, compute_ns, write_ns)

@@ -32,6 +32,7 @@ from kalos.server.channels import Poller
 from kalos.server.config import SidecarConfig
 
 if TYPE_CHECKING:
+    from kalos.server.admin import AdminServer
     from kalos.server.gpu_search import GpuSearch
 from kalos.server.dispatch import Dispatcher
 from kalos.server.durability import Durability
@@ -151,6 +152,11 @@ class Sidecar:
         self.listener: Listener | None = None
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
+        self.admin: AdminServer | None = None  # /healthz, /readyz, /metrics on 127.0.0.1
+        if config.admin_port is not None:
+            from kalos.server.admin import start_admin
+
+            self.admin = start_admin(self)  # up before recovery: /readyz says 503 meanwhile
 
     def _stats(self) -> dict[str, Any]:
         listener = self.listener
@@ -160,6 +166,7 @@ class Sidecar:
             "uds_connections": listener.uds_connections if listener else 0,
             "connects": listener.connects if listener else 0,
             "refused": listener.refused if listener else 0,
+            "admin_port": self.admin.port if self.admin is not None else None,
             **({"durability": self.durability.stats()} if self.durability is not None else {}),
         }
 
@@ -178,6 +185,7 @@ class Sidecar:
             journal=self.durability,
         )
         self.listener.gpu = self.gpu
+        self.listener.metrics = self.admin.metrics if self.admin is not None else None
         self.listener.start()
         if self.durability is not None:
             try:
@@ -234,6 +242,8 @@ class Sidecar:
             os.unlink(self.path)
         if self.durability is not None:
             self.durability.close()  # a last snapshot, then the log closes
+        if self.admin is not None:
+            self.admin.close()
         self._stopped.set()
         log.info("kalos sidecar %r stopped", self.config.name)
 
