@@ -5,6 +5,11 @@ channel (single producer, single consumer: no locks on the hot path), opened on 
 Search results are numpy views into that channel's response arena, valid until the same
 thread's next call on this client; ``copy=True`` returns owned arrays. Every call has a
 deadline (``timeout``, seconds) and reports the sidecar's per-stage timings in µs.
+
+A client outlives its sidecar: a call notices a sidecar that died, stopped or hangs within
+the call's deadline and raises SidecarGone (or, with ``on_unavailable="degrade"``, a search
+or context returns an empty result marked ``degraded``); the next call opens a new channel,
+to the sidecar of the same name once one is back (``Client.reconnects`` counts them).
 """
 
 from __future__ import annotations
@@ -17,7 +22,15 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kalos.errors import ClosedError, ConfigError, InvalidRequest, PayloadTooLarge
+from kalos.errors import (
+    ClosedError,
+    ConfigError,
+    ConnectError,
+    InvalidRequest,
+    PayloadTooLarge,
+    RequestTimeout,
+    SidecarGone,
+)
 from kalos.protocol import codes
 from kalos.protocol import layout as L
 from kalos.protocol import messages as M
@@ -29,6 +42,11 @@ from kalos.transport.base import Response
 _monotonic_ns = time.monotonic_ns
 
 Payload = str | bytes | None
+
+# What ``on_unavailable="degrade"`` turns into an empty result: the sidecar cannot be reached,
+# died or hangs, or did not answer in time. Never bad input (InvalidRequest), nor a refusal
+# by a live sidecar's stores, nor ProtocolMismatch (a deployment error).
+_UNAVAILABLE = (SidecarGone, ConnectError, RequestTimeout)
 
 
 class Timings(NamedTuple):
@@ -46,12 +64,15 @@ class SearchResult(NamedTuple):
     ``ids`` are -1 (and scores ±inf) where fewer than k items matched. Unless the search asked
     for ``copy=True`` they are views into the channel, valid until this thread's next call.
     ``payloads`` has one entry per hit (row-major), or is None when not asked for.
+    ``degraded``: the sidecar was unavailable and the client was made with
+    ``on_unavailable="degrade"``: no hits (every id -1), owned arrays.
     """
 
     ids: np.ndarray
     scores: np.ndarray
     payloads: list[Payload] | None
     timings: Timings
+    degraded: bool = False
 
 
 class Turns(Sequence[tuple[str, str]]):
@@ -103,12 +124,14 @@ class Context(NamedTuple):
     thread's next call on the client, unless the call asked for ``copy=True``.
     ``turns``: their (role, text), owned; None when the call asked for ``turns=False``.
     ``system``: whether the system prompt is included (it is then ``turns[0]``).
+    ``degraded``: the sidecar was unavailable (``on_unavailable="degrade"``): no turns.
     """
 
     tokens: np.ndarray
     turns: Turns | None
     timings: Timings
     system: bool
+    degraded: bool = False
 
 
 class TurnAdded(NamedTuple):
@@ -144,6 +167,18 @@ class Client:
     pays when the sidecar has its own core; parking costs a ~25 µs futex wake).
     ``gpu_results``: map each channel's GPU result buffer (a cuda sidecar, shm transport, torch
     installed) so that :meth:`search_gpu` can hand results over as torch tensors.
+
+    A lost sidecar: a call in flight or the next call raises SidecarGone within its deadline
+    when the sidecar died (its socket reads EOF: seen within ~10 ms), is stopping, or hangs
+    (shm only: no heartbeat for ``hung_after`` seconds, default 1 s; over uds a hung sidecar is
+    a RequestTimeout). The next call opens a new channel within its own deadline (ConnectError
+    while no sidecar of that name answers); ``reconnects`` counts the channels reopened so.
+    ``on_unavailable``: "raise" (default) or "degrade": then, instead of SidecarGone,
+    ConnectError or RequestTimeout, :meth:`search` returns a SearchResult with every id -1
+    and ``degraded=True``, and :meth:`context` an empty Context with ``degraded=True``.
+    Every other call still raises (a write must never look done; ping, stats, state, session
+    listings and events have no harmless empty answer), and bad input always raises. The
+    constructor connects and raises ConnectError either way.
     """
 
     def __init__(
@@ -157,32 +192,49 @@ class Client:
         spin_us: float = 50.0,
         gpu_results: bool = False,
         connector: Callable[[], Transport] | None = None,
+        on_unavailable: str = "raise",
+        hung_after: float | None = None,
     ) -> None:
+        if on_unavailable not in ("raise", "degrade"):
+            raise ConfigError(
+                f"on_unavailable must be 'raise' or 'degrade', not {on_unavailable!r}"
+            )
         self.name = name
         self.timeout = timeout
+        self.on_unavailable = on_unavailable
+        self._degrade = on_unavailable == "degrade"
+        self.reconnects = 0  # channels reopened after a lost sidecar or a timed-out call
+        self._open: Callable[[float], Transport]
         if connector is None:
 
-            def connector() -> Transport:
+            def open_channel(budget: float) -> Transport:
                 return open_transport(
                     transport,
                     name,
                     runtime_dir=runtime_dir,
                     arena_bytes=arena_bytes,
-                    timeout=timeout,
+                    timeout=budget,
                     spin_us=spin_us,
                     gpu_results=gpu_results,
+                    hung_after=hung_after,
                 )
 
-        self._connector = connector
+            self._open = open_channel
+        else:
+            given = connector
+            self._open = lambda budget: given()
         self._local = threading.local()
         self._transports: list[Transport] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._info: dict[str, Any] = {}
         self._channel()  # connect now: fail fast when no sidecar runs
 
     # -- channels ----------------------------------------------------------------------------
 
-    def _channel(self) -> Transport:
+    def _channel(self, timeout: float | None = None) -> Transport:
+        """This thread's channel; a new one (a handshake within ``timeout`` seconds, default
+        the client's) when it has none or its last one broke."""
         t: Transport | None = getattr(self._local, "transport", None)
         if t is not None and not t.broken:
             return t
@@ -190,11 +242,14 @@ class Client:
             raise ClosedError("this client is closed")
         if t is not None:
             self._forget(t)
-        t = self._connector()
-        self._local.transport = t
+        new = self._open(self.timeout if timeout is None else timeout)
+        self._local.transport = new
+        self._info = new.server_info
         with self._lock:
-            self._transports.append(t)
-        return t
+            self._transports.append(new)
+            if t is not None:
+                self.reconnects += 1
+        return new
 
     def _forget(self, t: Transport) -> None:
         t.close()
@@ -209,7 +264,13 @@ class Client:
 
     @property
     def dim(self) -> int:
-        return int(self.info["dim"])
+        """The sidecar's vector dimension (as of the last handshake: no round trip)."""
+        return int(self._info["dim"])
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the sidecar of the last handshake: new on every sidecar start."""
+        return int(self._info["epoch"]) if "epoch" in self._info else 0
 
     @property
     def last_timings(self) -> Timings | None:
@@ -217,7 +278,11 @@ class Client:
         return getattr(self._local, "timings", None)
 
     def _call(self, t: Transport, op: int, flags: int, n: int, timeout: float | None, start: int):
-        resp = t.request(op, flags, n, timeout=self.timeout if timeout is None else timeout)
+        # The deadline counts from the call's start: a reconnect before it used part of it.
+        left = (self.timeout if timeout is None else timeout) - (_monotonic_ns() - start) * 1e-9
+        if left <= 0:
+            raise RequestTimeout("the call's deadline passed while connecting to the sidecar")
+        resp = t.request(op, flags, n, timeout=left)
         self._local.timings = _timings(resp, start)
         if resp.status != codes.Status.OK:
             raise error_for_status(resp.status, M.decode_text(resp.body, len(resp.body)))
@@ -228,13 +293,13 @@ class Client:
     def ping(self, *, timeout: float | None = None) -> Timings:
         """An empty round trip; returns its timings."""
         start = _monotonic_ns()
-        self._call(self._channel(), Op.PING, 0, 0, timeout, start)
+        self._call(self._channel(timeout), Op.PING, 0, 0, timeout, start)
         return self._local.timings
 
     def stats(self, *, timeout: float | None = None) -> dict:
         """The sidecar's counters: items, bytes, requests per op, errors, channels, uptime."""
         start = _monotonic_ns()
-        resp = self._call(self._channel(), Op.STATS, 0, 0, timeout, start)
+        resp = self._call(self._channel(timeout), Op.STATS, 0, 0, timeout, start)
         return json.loads(M.decode_text(resp.body, len(resp.body)))
 
     def search(
@@ -255,20 +320,36 @@ class Client:
         NaN or inf, or k outside 1..max_k.
         """
         start = _monotonic_ns()
-        t = self._channel()
         single = np.ndim(query) == 1
         q = self._host_queries(query)
         if not isinstance(k, (int, np.integer)) or not 1 <= k <= codes.MAX_K:
             raise InvalidRequest(f"k must be an integer between 1 and {codes.MAX_K}, got {k!r}")
         sb = scope_bytes(scope)
-        n = M.encode_search(t.request_buffer, q, k, sb)
         flags = codes.SEARCH_WANT_PAYLOADS if payloads else 0
-        resp = self._call(t, Op.SEARCH, flags, n, timeout, start)
+        try:
+            t = self._channel(timeout)
+            n = M.encode_search(t.request_buffer, q, k, sb)
+            resp = self._call(t, Op.SEARCH, flags, n, timeout, start)
+        except _UNAVAILABLE:
+            if not self._degrade:
+                raise
+            return self._no_hits(len(q), int(k), single, payloads, start)
         r = M.decode_search_response(resp.body, len(resp.body))
         ids, scores = (r.ids[0], r.scores[0]) if single else (r.ids, r.scores)
         if copy:
             ids, scores = ids.copy(), scores.copy()
         return SearchResult(ids, scores, r.payloads, self._local.timings)
+
+    def _no_hits(self, nq: int, k: int, single: bool, payloads: bool, start: int) -> SearchResult:
+        """The degraded answer of :meth:`search`: what an empty store returns, owned."""
+        worst = np.inf if self._info.get("metric") == "l2" else -np.inf
+        ids = np.full((nq, k), -1, np.int64)
+        scores = np.full((nq, k), worst, np.float32)
+        if single:
+            ids, scores = ids[0], scores[0]
+        timings = Timings(0.0, 0.0, 0.0, (_monotonic_ns() - start) / 1e3)
+        hits: list[Payload] | None = [None] * (nq * k) if payloads else None
+        return SearchResult(ids, scores, hits, timings, True)
 
     def search_gpu(
         self,
@@ -289,7 +370,7 @@ class Client:
         are not checked for NaN (they never reach the host).
         """
         start = _monotonic_ns()
-        t = self._channel()
+        t = self._channel(timeout)
         gpu = t.gpu
         if gpu is None:
             raise ConfigError("search_gpu needs kalos.connect(..., gpu_results=True)")
@@ -373,7 +454,7 @@ class Client:
         if n == 0:
             return 0
         sb = scope_bytes(scope)
-        t = self._channel()
+        t = self._channel(timeout)
         capacity = len(t.request_buffer)
         fixed, per_item = M.add_item_sizes(
             self.dim, v.itemsize, np.fromiter(map(len, blobs), np.int64, n), sb
@@ -389,7 +470,7 @@ class Client:
             base = ends[i - 1] if i else 0
             j = int(np.searchsorted(ends, base + capacity - fixed, side="right"))
             start = _monotonic_ns()
-            t = self._channel()
+            t = self._channel(timeout)
             size = M.encode_add(t.request_buffer, id_arr[i:j], v[i:j], kinds[i:j], blobs[i:j], sb)
             resp = self._call(t, Op.ADD, 0, size, timeout, start)
             added += M.decode_counts(resp.body, len(resp.body))[0]
@@ -400,11 +481,11 @@ class Client:
         """Removes items by id; returns how many existed. Unknown ids are ignored."""
         id_arr = np.atleast_1d(np.asarray(ids, dtype=np.int64))
         removed = 0
-        t = self._channel()
+        t = self._channel(timeout)
         step = (len(t.request_buffer) - 8) // 8
         for i in range(0, max(len(id_arr), 1), step):
             start = _monotonic_ns()
-            t = self._channel()
+            t = self._channel(timeout)
             size = M.encode_remove(t.request_buffer, id_arr[i : i + step])
             resp = self._call(t, Op.REMOVE, 0, size, timeout, start)
             removed += M.decode_counts(resp.body, len(resp.body))[0]
@@ -451,7 +532,7 @@ class Client:
             flags |= codes.AppendFlag.PIN_SYSTEM
         if rolling is not None:
             flags |= codes.AppendFlag.SET_ROLLING | (codes.AppendFlag.ROLLING if rolling else 0)
-        t = self._channel()
+        t = self._channel(timeout)
         n = M.encode_append_turn(t.request_buffer, sb, role.encode(), text.encode(), ids, ttl_s)
         resp = self._call(t, Op.APPEND_TURN, int(flags), n, timeout, start)
         return TurnAdded(*M.decode_counts(resp.body, len(resp.body)))
@@ -478,7 +559,6 @@ class Client:
         unknown or expired one.
         """
         start = _monotonic_ns()
-        t = self._channel()
         if type(session) is not str or not session:
             raise InvalidRequest("a session id must be a non-empty str")
         if not 0 <= max_tokens < _NO_LIMIT:
@@ -488,8 +568,16 @@ class Client:
         elif not 0 <= max_turns < _NO_LIMIT:
             raise InvalidRequest(f"max_turns must be between 0 and {_NO_LIMIT - 1}, or None")
         sb = _EMPTY_SCOPE if scope is None else scope_bytes(scope)
-        n = M.encode_context(t.request_buffer, session.encode(), max_tokens, max_turns, sb)
-        resp = self._call(t, _CONTEXT, _TURNS if turns else 0, n, timeout, start)
+        try:
+            t = self._channel(timeout)
+            n = M.encode_context(t.request_buffer, session.encode(), max_tokens, max_turns, sb)
+            resp = self._call(t, _CONTEXT, _TURNS if turns else 0, n, timeout, start)
+        except _UNAVAILABLE:
+            if not self._degrade:
+                raise
+            timings = Timings(0.0, 0.0, 0.0, (_monotonic_ns() - start) / 1e3)
+            window = Turns(b"", b"") if turns else None
+            return Context(np.empty(0, np.int32), window, timings, False, True)
         tokens, meta, text, system = M.decode_context_response(resp.body, len(resp.body))
         if copy:
             tokens = tokens.copy()
@@ -506,7 +594,7 @@ class Client:
         after = b""
         while True:
             start = _monotonic_ns()
-            t = self._channel()
+            t = self._channel(timeout)
             n = M.encode_scoped(t.request_buffer, M.NO_LIMIT, len(after), sb, after)
             resp = self._call(t, Op.SESSIONS, 0, n, timeout, start)
             page = json.loads(M.decode_text(resp.body, len(resp.body)))
@@ -529,7 +617,7 @@ class Client:
         sb = session_scope_bytes(session, scope)
         if not 0 <= keep_turns < M.NO_LIMIT:
             raise InvalidRequest(f"keep_turns must be between 0 and {M.NO_LIMIT - 1}")
-        t = self._channel()
+        t = self._channel(timeout)
         n = M.encode_scoped(t.request_buffer, keep_turns, 0, sb)
         resp = self._call(t, Op.TRIM, 0, n, timeout, start)
         return M.decode_counts(resp.body, len(resp.body))[0]
@@ -541,7 +629,7 @@ class Client:
         with ``Scope(session=...)`` removes everything). NotFound when there is none."""
         start = _monotonic_ns()
         sb = session_scope_bytes(session, scope)
-        t = self._channel()
+        t = self._channel(timeout)
         n = M.encode_scoped(t.request_buffer, 0, 0, sb)
         self._call(t, Op.DELETE_SESSION, 0, n, timeout, start)
 
@@ -587,7 +675,7 @@ class Client:
         start = _monotonic_ns()
         raw = _value_bytes(value)
         sb = scope_bytes(scope)
-        t = self._channel()
+        t = self._channel(timeout)
         n = M.encode_state_value(t.request_buffer, sb, _key_bytes(key), raw, expected)
         resp = self._call(t, op, 0, n, timeout, start)
         return M.decode_counts(resp.body, len(resp.body))[0]
@@ -598,7 +686,7 @@ class Client:
         """(version, value bytes, owned) of state ``key`` in ``scope``; NotFound if absent."""
         start = _monotonic_ns()
         sb = scope_bytes(scope)
-        t = self._channel()
+        t = self._channel(timeout)
         n = M.encode_state_key(t.request_buffer, sb, _key_bytes(key))
         resp = self._call(t, Op.STATE_GET, 0, n, timeout, start)
         return StateValue(*M.decode_state_get_response(resp.body, len(resp.body)))
@@ -607,7 +695,7 @@ class Client:
         """Deletes state ``key`` in ``scope``; returns whether it existed."""
         start = _monotonic_ns()
         sb = scope_bytes(scope)
-        t = self._channel()
+        t = self._channel(timeout)
         n = M.encode_state_key(t.request_buffer, sb, _key_bytes(key))
         resp = self._call(t, Op.STATE_DELETE, 0, n, timeout, start)
         return bool(M.decode_counts(resp.body, len(resp.body))[0])
@@ -631,7 +719,7 @@ class Client:
             raise InvalidRequest("an event kind must be a str")
         if not isinstance(data, (str, bytes, bytearray, memoryview)):
             raise InvalidRequest(f"event data must be str or bytes, not {type(data).__name__}")
-        t = self._channel()
+        t = self._channel(timeout)
         n = M.encode_log_event(t.request_buffer, sb, kind.encode(), data)
         resp = self._call(t, Op.LOG_EVENT, 0, n, timeout, start)
         return M.decode_counts(resp.body, len(resp.body))[0]
@@ -656,7 +744,7 @@ class Client:
         out: list[Event] = []
         while limit is None or len(out) < limit:
             start = _monotonic_ns()
-            t = self._channel()
+            t = self._channel(timeout)
             want = M.NO_LIMIT if limit is None else limit - len(out)
             n = M.encode_events_request(t.request_buffer, sb, since, want)
             resp = self._call(t, Op.EVENTS, 0, n, timeout, start)
@@ -677,7 +765,7 @@ class Client:
             raise InvalidRequest("forget needs a scope with a tenant, a user or a session")
         start = _monotonic_ns()
         sb = scope_bytes(scope)
-        t = self._channel()
+        t = self._channel(timeout)
         n = M.encode_scoped(t.request_buffer, 0, 0, sb)
         resp = self._call(t, Op.FORGET, 0, n, timeout, start)
         return Forgotten(*M.decode_forgotten(resp.body, len(resp.body)))
@@ -788,8 +876,11 @@ def connect(
     arena_bytes: int = L.DEFAULT_ARENA_BYTES,
     spin_us: float = 50.0,
     gpu_results: bool = False,
+    on_unavailable: str = "raise",
+    hung_after: float | None = None,
 ) -> Client:
-    """Connects to the running sidecar ``name``. Raises ConnectError when none runs."""
+    """Connects to the running sidecar ``name``. Raises ConnectError when none runs.
+    ``on_unavailable`` and ``hung_after``: see :class:`Client`."""
     return Client(
         name,
         transport=transport,
@@ -798,4 +889,6 @@ def connect(
         arena_bytes=arena_bytes,
         spin_us=spin_us,
         gpu_results=gpu_results,
+        on_unavailable=on_unavailable,
+        hung_after=hung_after,
     )

@@ -170,7 +170,18 @@ class Sidecar:
             **({"durability": self.durability.stats()} if self.durability is not None else {}),
         }
 
+    def _beat(self) -> None:
+        """Beats the heartbeat from a thread of its own, besides the poller's beats, so that a
+        long request (the poller busy in one dispatch) never looks like a hung sidecar to the
+        clients (kalos.transport.shm): only a stopped or stuck process stops beating."""
+        addr = self.control.addr + L.CTRL_HEARTBEAT_NS
+        period = self.config.heartbeat_ms / 2e3
+        _native.store_release(addr, time.monotonic_ns())
+        while not self._stopped.wait(period):
+            _native.store_release(addr, time.monotonic_ns())
+
     def _open(self) -> None:
+        threading.Thread(target=self._beat, name="kalos-heartbeat", daemon=True).start()
         prepare_runtime_dir(runtime_dir(self.config.runtime_dir))
         claim_socket(self.path)
         self.listener = Listener(

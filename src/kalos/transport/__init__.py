@@ -21,12 +21,15 @@ def open_transport(
     timeout: float,
     spin_us: float,
     gpu_results: bool = False,
+    hung_after: float | None = None,
 ) -> Transport:
     """Handshakes with the sidecar ``name`` and returns a new channel of ``kind``.
 
     ``gpu_results``: ask a cuda sidecar for a GPU result buffer (shm only); the transport's
-    ``gpu`` is then a :class:`kalos.gpu.handoff.GpuChannel`. Raises ConnectError (no sidecar,
-    refused), ProtocolMismatch, ConfigError (unknown kind, no GPU results to be had).
+    ``gpu`` is then a :class:`kalos.gpu.handoff.GpuChannel`. ``hung_after``: seconds without a
+    heartbeat after which a shm channel reports its sidecar hung (SidecarGone). Raises
+    ConnectError (no sidecar, refused), ProtocolMismatch, ConfigError (unknown kind, no GPU
+    results to be had).
     """
     from kalos.transport.handshake import client_hello
 
@@ -38,9 +41,15 @@ def open_transport(
         socket_path(name, runtime_dir), kind, arena_bytes, timeout, gpu_results
     )
     if kind == "shm":
-        from kalos.transport.shm import ShmTransport
+        from kalos.transport.shm import HUNG_AFTER_S, ShmTransport
 
-        t = ShmTransport(sock, info, fds, spin_us=spin_us)
+        t = ShmTransport(
+            sock,
+            info,
+            fds,
+            spin_us=spin_us,
+            hung_after=HUNG_AFTER_S if hung_after is None else hung_after,
+        )
         if gpu_results:
             if not info.get("gpu"):
                 t.close()

@@ -5,6 +5,10 @@ request is: write the header fields, then publish the sequence word (release) an
 sidecar only if it is parked. The response is awaited by spinning for ``spin_us`` (the sidecar
 usually answers within a few µs when it has its own core) and then parking on the channel's
 futex doorbell, in slices, so that a dead sidecar is noticed within ``LIVENESS_SLICE_NS``.
+
+A sidecar is gone when its handshake socket reads EOF (it died: the kernel closes it), when
+its control segment says STOPPING, or when its heartbeat is older than ``hung_after`` seconds
+(it hangs: SIGSTOPped, or stuck). Each raises SidecarGone and breaks the channel.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import os
 import select
 import socket
+import struct
 import time
 from typing import Any
 
@@ -23,18 +28,28 @@ from kalos.transport.memory import SharedMemory
 
 # How long a parked client sleeps before it checks that the sidecar still lives.
 LIVENESS_SLICE_NS = 10_000_000  # 10 ms: a dead sidecar is seen well inside a 100 ms deadline
+# A heartbeat older than this means a hung sidecar. It beats every <= 100 ms from a thread of
+# its own (a long request does not delay it); 1 s leaves room for a loaded 2-core machine.
+HUNG_AFTER_S = 1.0
 
 _monotonic_ns = time.monotonic_ns
 _publish = _native.publish
 _wait_seq = _native.wait_seq
 _load = _native.load_acquire
+_DEADLINE = struct.Struct("<Q")
 
 
 class ShmTransport(Transport):
     kind = "shm"
 
     def __init__(
-        self, sock: socket.socket, info: dict[str, Any], fds: list[int], *, spin_us: float
+        self,
+        sock: socket.socket,
+        info: dict[str, Any],
+        fds: list[int],
+        *,
+        spin_us: float,
+        hung_after: float = HUNG_AFTER_S,
     ) -> None:
         if len(fds) != 2:
             for fd in fds:
@@ -65,6 +80,8 @@ class ShmTransport(Transport):
         self._server_parked = c + L.CTRL_SERVER_PARKED
         self._server_bell = c + L.CTRL_BELL
         self._ctrl_state = c + L.CTRL_STATE
+        self._heartbeat = c + L.CTRL_HEARTBEAT_NS
+        self._hung_ns = int(hung_after * 1e9)
         self._buf = buf
         self._seq = _load(self._req_seq)
         self._spin_ns = int(spin_us * 1000)
@@ -101,9 +118,13 @@ class ShmTransport(Transport):
     def _wait_slow(self, seq: int, deadline: int) -> None:
         """Parks in slices until the response comes, the deadline passes or the sidecar dies."""
         while True:
-            if self._sidecar_gone():
+            gone = self._sidecar_gone()
+            if gone:
                 self._broken = True
-                raise SidecarGone("the sidecar died or stopped while a request was in flight")
+                # Expire the abandoned request: a hung sidecar that resumes refuses it (TIMEOUT)
+                # unless it had picked it up already, as it refuses one past its deadline.
+                _DEADLINE.pack_into(self._buf, L.REQ_DEADLINE_NS, 1)
+                raise SidecarGone(f"{gone} while a request was in flight")
             left = deadline - _monotonic_ns()
             if left <= 0:
                 # The sidecar may still answer later and overwrite the arena: never reuse it.
@@ -119,15 +140,21 @@ class ShmTransport(Transport):
             ):
                 return
 
-    def _sidecar_gone(self) -> bool:
+    def _sidecar_gone(self) -> str | None:
+        """Why the sidecar is gone (died, stopping, hung), or None while it lives."""
         if _load(self._ctrl_state) == L.STATE_STOPPING:
-            return True
+            return "the sidecar is stopping"
         # The sidecar never writes to this socket after the handshake: readable means EOF.
         try:
             readable, _, _ = select.select([self._sock], [], [], 0)
         except ValueError:  # its fd is -1: another thread closed this channel (Client.close)
             raise ClosedError("this channel was closed while a request was in flight") from None
-        return bool(readable)
+        if readable:
+            return "the sidecar died"
+        beat = _load(self._heartbeat)  # 0: no beat yet (a sidecar from before the beat thread)
+        if beat and _monotonic_ns() - beat > self._hung_ns:
+            return f"the sidecar hangs (no heartbeat for {(_monotonic_ns() - beat) / 1e9:.1f} s)"
+        return None
 
     def close(self) -> None:
         if self._closed:
