@@ -41,6 +41,8 @@ def _serve(args: argparse.Namespace) -> int:
             max_turn_bytes=args.max_turn_bytes,
             max_session_turns=args.max_session_turns,
             max_state_bytes=args.max_state_bytes,
+            tenant_max_items=args.tenant_max_items,
+            tenant_max_bytes=args.tenant_max_bytes,
         ),
     )
     sidecar = Sidecar(config)
@@ -155,6 +157,16 @@ def build_parser() -> argparse.ArgumentParser:
         "logged and shown by kalos status as admin_port)",
     )
     serve.add_argument("--no-admin", action="store_true", help="no admin HTTP endpoint")
+    serve.add_argument(
+        "--tenant-max-items", type=int, default=None, help="memories per tenant (default: no limit)"
+    )
+    serve.add_argument(
+        "--tenant-max-bytes",
+        type=int,
+        default=None,
+        help="bytes of memories per tenant: vectors at 4 bytes a dimension plus payloads "
+        "(default: no limit)",
+    )
     serve.set_defaults(func=_serve)
 
     status = sub.add_parser("status", help="print a running sidecar's stats as JSON")

@@ -79,7 +79,8 @@ class Sidecar:
         self._threadpools = threadpool_limits(limits=config.compute_threads)
         self.path = socket_path(config.name, config.runtime_dir)
         self.memories = MemoryStore(
-            index.create(config.index_spec, dim=config.dim, metric=config.metric)
+            index.create(config.index_spec, dim=config.dim, metric=config.metric),
+            limits=config.limits,
         )
         if config.reserve and hasattr(self.memories.index, "reserve"):
             self.memories.index.reserve(config.reserve)

@@ -23,10 +23,15 @@ class Limits:
     max_key_bytes: int = 1024  # a state key, a session id
     max_role_bytes: int = 64  # a turn's role ("user", "assistant", "tool", ...)
     max_kind_bytes: int = 256  # an event's kind
+    # Per tenant (memories whose scope names a tenant; None: no limit): items, and bytes
+    # (vectors at 4 bytes a dimension plus payloads).
+    tenant_max_items: int | None = None
+    tenant_max_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
-            if getattr(self, field.name) < 1:
+            value = getattr(self, field.name)
+            if value is not None and value < 1:
                 raise ConfigError(f"{field.name} must be at least 1")
 
 

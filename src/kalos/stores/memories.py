@@ -18,6 +18,7 @@ from kalos.index import Index
 from kalos.index.base import RowTable, scope_mask
 from kalos.protocol import codes
 from kalos.protocol.messages import Scope
+from kalos.stores.limits import Limits
 
 if TYPE_CHECKING:
     from kalos.server.gpu_search import GpuResultBuffer, GpuSearch
@@ -69,8 +70,14 @@ def check_k(k: int) -> None:
 class MemoryStore:
     """Memory items (id, vector, payload, scope) over one vector index."""
 
-    def __init__(self, index: Index) -> None:
+    def __init__(self, index: Index, limits: Limits | None = None) -> None:
         self.index = index
+        # Per-tenant limits (items, bytes), accounted only when one is set.
+        self._max_items = limits.tenant_max_items if limits is not None else None
+        self._max_bytes = limits.tenant_max_bytes if limits is not None else None
+        self._quota = self._max_items is not None or self._max_bytes is not None
+        self._tenant_items: dict[int, int] = {}  # tenant code -> items
+        self._tenant_bytes: dict[int, int] = {}  # tenant code -> vector + payload bytes
         self.gpu: GpuSearch | None = None  # set by the sidecar when the index is on a GPU
         self.scopes = ScopeCodes()
         self._payloads: dict[int, tuple[int, bytes]] = {}
@@ -109,10 +116,14 @@ class MemoryStore:
             raise InvalidRequest("id -1 is reserved for 'no result'")
         n = len(ids)
         scopes = np.broadcast_to(self.scopes.intern(scope), (n, 3))
+        unique = np.unique(ids)
+        if self._quota:
+            self._check_tenant(scope, int(scopes[0, 0]) if n else 0, ids, unique, offsets)
+            self._tally(unique, -1)
         before = len(self.index)
         self.index.add(vectors, ids, scopes)
         added = len(self.index) - before
-        unique = np.unique(ids)  # one scope for the whole batch: duplicates agree
+        # one scope for the whole batch: duplicates agree
         self._scoped.upsert(unique, np.broadcast_to(scopes[0], (len(unique), 3)))
         payloads = self._payloads
         bounds = offsets.tolist()
@@ -125,9 +136,58 @@ class MemoryStore:
                 value = data[bounds[i] : bounds[i + 1]]
                 payloads[item] = (kind, value)
                 self._payload_bytes += len(value)
+        if self._quota:
+            self._tally(unique, 1)
         return added, n - added
 
+    def _usage(self, ids: np.ndarray) -> tuple[list[int], list[int]]:
+        """Tenant code and bytes (vector + payload) of each of ``ids`` that is present."""
+        rows = self._scoped.rows_of(ids)
+        present = rows >= 0
+        tenants = self._scoped.scope_columns[0, rows[present]].tolist()
+        vector = 4 * self.index.dim
+        get = self._payloads.get
+        none = (codes.PAYLOAD_NONE, b"")
+        sizes = [vector + len(get(item, none)[1]) for item in ids[present].tolist()]
+        return tenants, sizes
+
+    def _tally(self, ids: np.ndarray, sign: int) -> None:
+        """Adds (sign 1) or takes away (-1) the present ``ids`` from their tenants' usage."""
+        items, nbytes = self._tenant_items, self._tenant_bytes
+        for tenant, size in zip(*self._usage(ids), strict=True):
+            if tenant:
+                items[tenant] = items.get(tenant, 0) + sign
+                nbytes[tenant] = nbytes.get(tenant, 0) + sign * size
+
+    def _check_tenant(
+        self, scope: Scope, tenant: int, ids: np.ndarray, unique: np.ndarray,
+        offsets: np.ndarray,
+    ) -> None:  # fmt: skip
+        """InvalidRequest naming the flag when an add would take ``tenant`` over a limit."""
+        if not tenant:
+            return  # items without a tenant are not limited
+        tenants, sizes = self._usage(unique)
+        mine = [size for t, size in zip(tenants, sizes, strict=True) if t == tenant]
+        items = self._tenant_items.get(tenant, 0) + len(unique) - len(mine)
+        if self._max_items is not None and items > self._max_items:
+            raise InvalidRequest(
+                f"tenant {scope.tenant!r} would hold {items} items; the limit is "
+                f"{self._max_items} (kalos serve --tenant-max-items)"
+            )
+        if self._max_bytes is not None:
+            # the last occurrence of an id in the batch is the one that stays
+            last = len(ids) - 1 - np.unique(ids[::-1], return_index=True)[1]
+            sizes_in = np.diff(offsets)[last] + 4 * self.index.dim
+            total = self._tenant_bytes.get(tenant, 0) - sum(mine) + int(sizes_in.sum())
+            if total > self._max_bytes:
+                raise InvalidRequest(
+                    f"tenant {scope.tenant!r} would hold {total} bytes; the limit is "
+                    f"{self._max_bytes} (kalos serve --tenant-max-bytes)"
+                )
+
     def remove(self, ids: np.ndarray) -> int:
+        if self._quota:
+            self._tally(np.unique(ids), -1)
         removed = self.index.remove(ids)
         self._scoped.remove(ids)
         for item in ids.tolist():
@@ -238,6 +298,9 @@ class MemoryStore:
             for item, kind, value in db.execute("SELECT id, kind, value FROM memory_payloads")
         }
         self._payload_bytes = sum(len(v) for _, v in self._payloads.values())
+        self._tenant_items, self._tenant_bytes = {}, {}
+        if self._quota:
+            self._tally(self._scoped.ids.copy(), 1)
 
     def stats(self) -> dict[str, int | str]:
         return {
