@@ -109,7 +109,7 @@ def test_scope_filter_on_gpu(gpu_sidecar):
 
 
 def test_remove_then_search_on_gpu(gpu_sidecar):
-    _, client, base16, ids = gpu_sidecar
+    _, client, base16, _ = gpu_sidecar
     q = base16[7].astype(np.float32) * 4
     top = client.search(q, 5, payloads=False).ids.copy()
     assert client.remove(top[:2]) == 2
