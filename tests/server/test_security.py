@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -44,7 +45,7 @@ def open_dir() -> Iterator[str]:
 
 def connect_as_nobody(sc: RunningSidecar) -> dict:
     """Connects from a forked child that switched to uid and gid 65534 (no other groups)."""
-    os.chmod(sc.socket, 0o666)  # the file mode lets anyone connect: only the peer check is left
+    os.chmod(sc.socket, 0o666)  # let anyone reach the socket: only the peer check is left
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: never returns into pytest
@@ -89,6 +90,7 @@ def test_a_client_of_another_uid_is_refused(
 @needs_root
 def test_an_allowed_uid_is_accepted(sidecar: Callable[..., RunningSidecar], open_dir: str) -> None:
     sc = sidecar(dim=DIM, runtime_dir=open_dir, extra_args=("--allow-uid", str(NOBODY)))
+    assert stat.S_IMODE(os.stat(sc.socket).st_mode) == 0o666  # reachable without a hand chmod
     got = connect_as_nobody(sc)
     assert got == {"ok": True, "uid": NOBODY, "dim": DIM}
     with sc.connect(timeout=TIMEOUT) as owner:

@@ -47,6 +47,15 @@ STARTING_HOLD_S = 2.0  # below the client's default 5 s deadline
 _PEERCRED = struct.Struct("3i")
 
 
+def socket_mode(config: SidecarConfig) -> int:
+    """The socket file's mode: the sidecar's uid only (0600), its allowed group too (0660),
+    or anyone when other uids are allowed (0666): then the file mode cannot tell uids apart,
+    and the SO_PEERCRED check at accept is the gate."""
+    if config.allowed_uids:
+        return 0o666
+    return 0o660 if config.allowed_gid is not None else 0o600
+
+
 class Listener:
     def __init__(
         self,
@@ -82,7 +91,7 @@ class Listener:
         self.metrics: Metrics | None = None  # request metrics (kalos.server.admin), if served
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(path)
-        os.chmod(path, 0o660 if config.allowed_gid is not None else 0o600)
+        os.chmod(path, socket_mode(config))
         if config.allowed_gid is not None:
             os.chown(path, -1, config.allowed_gid)
         self._sock.listen(128)

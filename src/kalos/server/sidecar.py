@@ -46,14 +46,19 @@ from kalos.transport.memory import SharedMemory, create
 log = logging.getLogger("kalos.server")
 
 
-def prepare_runtime_dir(path: str) -> None:
-    """Creates the socket directory private to this user, or checks an existing one."""
+def prepare_runtime_dir(path: str, traversable: bool = False) -> None:
+    """Creates the socket directory private to this user, or checks an existing one.
+
+    ``traversable`` (other uids are allowed in): others may pass through it (0711) to reach
+    the socket, but never list or write it."""
     os.makedirs(path, mode=0o700, exist_ok=True)
     st = os.stat(path)
     if st.st_uid != os.getuid():
         raise ConfigError(f"{path} belongs to uid {st.st_uid}, not to this user")
     if st.st_mode & 0o002:
         raise ConfigError(f"{path} is world-writable; use a private directory")
+    if traversable and st.st_mode & 0o011 != 0o011:
+        os.chmod(path, (st.st_mode & 0o777) | 0o011)
 
 
 def claim_socket(path: str) -> None:
@@ -183,7 +188,9 @@ class Sidecar:
 
     def _open(self) -> None:
         threading.Thread(target=self._beat, name="kalos-heartbeat", daemon=True).start()
-        prepare_runtime_dir(runtime_dir(self.config.runtime_dir))
+        prepare_runtime_dir(
+            runtime_dir(self.config.runtime_dir), traversable=bool(self.config.allowed_uids)
+        )
         claim_socket(self.path)
         self.listener = Listener(
             self.config,
