@@ -1,0 +1,104 @@
+"""The float64 reference and the checker shared by the CudaFlatIndex tests: on the CPU under
+TRITON_INTERPRET=1 (tests/index/test_cuda_flat_interp.py) and on a GPU at full size
+(tests/gpu/test_cuda_flat_gpu.py). Importing it imports torch, never triton.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kalos.index.cuda_flat import CudaFlatIndex
+
+_UNIT_ROUNDOFF = {"fp16": 2.0**-11, "bf16": 2.0**-8, "fp32": 2.0**-20}
+_TORCH_DTYPE = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+
+
+def make_index(metric: str, dtype: str, dim: int, device: str) -> CudaFlatIndex:
+    return CudaFlatIndex(
+        dim=dim, metric=metric, spec=f"cuda:flat,{dtype}", device=device, dtype=dtype
+    )
+
+
+def stored_vectors(metric: str, dtype: str, x: np.ndarray) -> np.ndarray:
+    """float64 of what the index stores: cosine rows normalised in float32, then rounded."""
+    x = x.astype(np.float32)
+    if metric == "cosine":
+        nrm = np.linalg.norm(x, axis=1, keepdims=True)
+        x = x / np.where(nrm > 0, nrm, 1)
+    t = torch.from_numpy(np.ascontiguousarray(x)).to(getattr(torch, _TORCH_DTYPE[dtype]))
+    return t.double().numpy()
+
+
+def ref_scores(metric: str, dtype: str, x: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """[nq, n] float64: inner products (ip, cosine) or squared distances (l2)."""
+    xs = stored_vectors(metric, dtype, x)
+    qd = q.astype(np.float64)
+    if metric == "cosine":
+        qd = qd / np.linalg.norm(qd, axis=1, keepdims=True)
+    if metric == "l2":
+        return (qd**2).sum(1)[:, None] - 2 * qd @ xs.T + (xs**2).sum(1)[None, :]
+    return qd @ xs.T
+
+
+def tolerance(metric: str, dtype: str, x: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """[nq] bound on |kernel score - reference|: the query is rounded to the storage dtype for
+    the dot (|dq.x| <= u |q| |x|), plus fp32 accumulation; l2 adds fp32 cancellation."""
+    xs = stored_vectors(metric, dtype, x)
+    xn = float(np.linalg.norm(xs, axis=1).max()) if len(xs) else 0.0
+    qn = np.linalg.norm(q.astype(np.float64), axis=1)
+    if metric == "cosine":
+        qn = np.ones_like(qn)
+    u = _UNIT_ROUNDOFF[dtype]
+    tol = (2 * u + 2e-4) * qn * xn + 1e-6
+    if metric == "l2":
+        tol = 2 * tol + 1e-5 * (qn**2 + xn**2)
+    return tol
+
+
+def check_search(idx, x, ids, scopes, q, k, scope=None):
+    """Search through the device path with poisoned outputs and hold the answer against the
+    float64 reference over the live items that match ``scope``."""
+    q = np.atleast_2d(np.asarray(q, dtype=np.float32))
+    nq = len(q)
+    qt = torch.from_numpy(q).to(idx.device)
+    s_out = torch.full((nq, k), float("nan"), dtype=torch.float32, device=idx.device)
+    i_out = torch.full((nq, k), -7, dtype=torch.int64, device=idx.device)
+    idx.search_device(qt, k, scope=scope, out=(s_out, i_out))
+    s, got = s_out.cpu().numpy(), i_out.cpu().numpy()
+    assert not np.isnan(s).any(), "an output score was not written"
+    assert not (got == -7).any(), "an output id was not written"
+    # the host path must agree exactly
+    _, got_host = idx.search(q, k, scope=scope)
+    np.testing.assert_array_equal(got_host, got)
+
+    ascending = idx.metric == "l2"
+    ref = ref_scores(idx.metric, idx.dtype, x, q)
+    tol = tolerance(idx.metric, idx.dtype, x, q)
+    match = np.ones(len(ids), dtype=bool)
+    if scope is not None and scopes is not None:
+        for f in range(3):
+            if scope[f] != 0:
+                match &= scopes[:, f] == scope[f]
+    for i in range(nq):
+        cand, cid = ref[i][match], np.asarray(ids)[match]
+        kk = min(k, len(cand))
+        valid = got[i, :kk]
+        assert (got[i, kk:] == -1).all(), "missing results must be id -1"
+        assert (s[i, kk:] == (np.inf if ascending else -np.inf)).all()
+        assert -1 not in valid.tolist() and len(set(valid.tolist())) == kk, "duplicate or -1 id"
+        ref_of = dict(zip(cid.tolist(), cand.tolist(), strict=True))
+        assert all(j in ref_of for j in valid.tolist()), "returned a removed or filtered item"
+        r = np.array([ref_of[j] for j in valid.tolist()])
+        assert np.all(np.abs(s[i, :kk] - r) <= tol[i]), (s[i, :kk], r, tol[i])
+        step = np.diff(s[i, :kk])
+        assert np.all(step >= 0) if ascending else np.all(step <= 0), "not sorted"
+        if kk:
+            srt = np.sort(cand) if ascending else -np.sort(-cand)
+            kth = srt[kk - 1]
+            if ascending:
+                must, ok = cid[cand < kth - tol[i]], r <= kth + tol[i]
+            else:
+                must, ok = cid[cand > kth + tol[i]], r >= kth - tol[i]
+            assert set(must.tolist()) <= set(valid.tolist()), "missed a true top-k item"
+            assert ok.all(), "returned an item outside the top-k (beyond ties)"
