@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -224,7 +225,9 @@ class Client:
             given = connector
             self._open = lambda budget: given()
         self._local = threading.local()
-        self._transports: list[Transport] = []
+        # Weak: a thread that ends drops its channel (its thread-local goes), and the
+        # channel's socket closes with it, so the sidecar frees the channel.
+        self._transports: weakref.WeakSet[Transport] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._closed = False
         self._info: dict[str, Any] = {}
@@ -246,7 +249,7 @@ class Client:
         self._local.transport = new
         self._info = new.server_info
         with self._lock:
-            self._transports.append(new)
+            self._transports.add(new)
             if t is not None:
                 self.reconnects += 1
         return new
@@ -254,8 +257,7 @@ class Client:
     def _forget(self, t: Transport) -> None:
         t.close()
         with self._lock:
-            if t in self._transports:
-                self._transports.remove(t)
+            self._transports.discard(t)
 
     @property
     def info(self) -> dict:
@@ -774,7 +776,8 @@ class Client:
         """Closes every thread's channel. Idempotent; later calls raise ClosedError."""
         self._closed = True
         with self._lock:
-            transports, self._transports = self._transports, []
+            transports = list(self._transports)
+            self._transports = weakref.WeakSet()
         for t in transports:
             t.close()
 

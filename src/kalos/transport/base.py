@@ -9,6 +9,7 @@ that stays valid until the next request on the same transport.
 from __future__ import annotations
 
 import abc
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -54,3 +55,9 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Releases the channel. Idempotent."""
+
+    def __del__(self) -> None:
+        # A channel dropped without close (its thread ended) still releases its socket,
+        # mappings and GPU buffer, so the sidecar frees the channel.
+        with contextlib.suppress(Exception):
+            self.close()
