@@ -98,6 +98,16 @@ def _accepts(path: str) -> bool:
     return True
 
 
+def serve_command(
+    name: str, dim: int, runtime_dir: str, *extra_args: str, metric: str = "ip"
+) -> list[str]:
+    """The command line of ``kalos serve`` in this interpreter, for tests and benchmarks."""
+    return [
+        sys.executable, "-m", "kalos", "serve", "--name", name, "--dim", str(dim),
+        "--metric", metric, "--runtime-dir", str(runtime_dir), *extra_args,
+    ]  # fmt: skip
+
+
 @contextlib.contextmanager
 def isolated_sidecar(
     *,
@@ -112,21 +122,7 @@ def isolated_sidecar(
     with contextlib.ExitStack() as stack:
         if runtime_dir is None:
             runtime_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="kalos-"))
-        cmd = [
-            sys.executable,
-            "-m",
-            "kalos",
-            "serve",
-            "--name",
-            name,
-            "--dim",
-            str(dim),
-            "--metric",
-            metric,
-            "--runtime-dir",
-            runtime_dir,
-            *extra_args,
-        ]
+        cmd = serve_command(name, dim, runtime_dir, *extra_args, metric=metric)
         if not any(a.startswith(("--admin-port", "--no-admin")) for a in extra_args):
             cmd += ["--admin-port", "0"]  # a free port each: sidecars in parallel never collide
         proc = subprocess.Popen(cmd, stderr=stderr)

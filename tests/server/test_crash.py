@@ -250,18 +250,11 @@ def writer_main(runtime_dir: str, ledger_path: str, stop_path: str, seed: int) -
 
 
 def start_sidecar(runtime_dir: Path, data_dir: Path, policy: str, log) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "kalos",
-        "serve",
-        "--name",
+    from kalos.testing import serve_command
+
+    cmd = serve_command(
         "crash",
-        "--dim",
-        str(DIM),
-        "--metric",
-        "l2",
-        "--runtime-dir",
+        DIM,
         str(runtime_dir),
         "--data-dir",
         str(data_dir),
@@ -269,7 +262,8 @@ def start_sidecar(runtime_dir: Path, data_dir: Path, policy: str, log) -> subpro
         policy,
         "--snapshot-mb",
         "0.03",  # a snapshot every ~30 KiB of log: many, so kills land in them too
-    ]
+        metric="l2",
+    )
     return subprocess.Popen(cmd, stdout=log, stderr=log)
 
 

@@ -19,7 +19,7 @@ import kalos
 from conftest import DIM, TIMEOUT
 from kalos.errors import ConnectError
 from kalos.server import Sidecar, SidecarConfig
-from kalos.testing import RunningSidecar, wait_for_socket, wait_ready
+from kalos.testing import RunningSidecar, serve_command, wait_for_socket, wait_ready
 
 Start = Callable[..., RunningSidecar]
 
@@ -135,11 +135,9 @@ def test_clients_wait_or_are_told_while_it_recovers(
 def test_a_full_disk_refuses_writes_and_serves_reads(tmp_path: Path) -> None:
     data, run = tmp_path / "data", tmp_path / "run"
     run.mkdir(mode=0o700)
-    cmd = [
-        sys.executable, "-m", "kalos", "serve", "--name", "full", "--dim", str(DIM),
-        "--metric", "l2", "--runtime-dir", str(run), "--data-dir", str(data),
-        "--snapshot-mb", "1000",
-    ]  # fmt: skip
+    cmd = serve_command(
+        "full", DIM, str(run), "--data-dir", str(data), "--snapshot-mb", "1000", metric="l2"
+    )
 
     def small_files() -> None:  # files beyond 64 KiB fail with EFBIG, as on a full disk
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -191,8 +189,7 @@ def test_a_data_dir_keeps_its_dimension(sidecar: Start, tmp_path: Path) -> None:
         client.add(vectors([1]), [1])
     sc.stop()
     proc = subprocess.run(
-        [sys.executable, "-m", "kalos", "serve", "--name", "other", "--dim", str(DIM + 1),
-         "--runtime-dir", str(tmp_path / "run"), "--data-dir", str(data)],
+        serve_command("other", DIM + 1, str(tmp_path / "run"), "--data-dir", str(data)),
         capture_output=True, text=True, timeout=TIMEOUT,
     )  # fmt: skip
     assert proc.returncode == 2
@@ -203,8 +200,9 @@ def test_one_sidecar_per_data_dir(sidecar: Start, tmp_path: Path) -> None:
     data = tmp_path / "data"
     durable(sidecar, data)
     proc = subprocess.run(
-        [sys.executable, "-m", "kalos", "serve", "--name", "second", "--dim", str(DIM),
-         "--metric", "l2", "--runtime-dir", str(tmp_path / "run"), "--data-dir", str(data)],
+        serve_command(
+            "second", DIM, str(tmp_path / "run"), "--data-dir", str(data), metric="l2"
+        ),
         capture_output=True, text=True, timeout=TIMEOUT,
     )  # fmt: skip
     assert proc.returncode == 2

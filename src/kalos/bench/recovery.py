@@ -23,7 +23,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -31,7 +30,7 @@ import numpy as np
 
 from kalos.bench.common import print_table, write_result
 from kalos.paths import socket_path
-from kalos.testing import wait_for_socket, wait_ready
+from kalos.testing import serve_command, wait_for_socket, wait_ready
 
 SCENARIO = "recovery"
 NAME = "bench-recovery"
@@ -59,10 +58,7 @@ class Server:
 
     def start(self, *extra: str) -> float:
         """Starts it; returns seconds from Popen to the first successful handshake."""
-        cmd = [
-            sys.executable, "-m", "kalos", "serve", "--name", NAME, "--dim", str(self.args.dim),
-            "--runtime-dir", self.run_dir, "--data-dir", self.data, *extra,
-        ]  # fmt: skip
+        cmd = serve_command(NAME, self.args.dim, self.run_dir, "--data-dir", self.data, *extra)
         t0 = time.perf_counter()
         log = subprocess.DEVNULL
         if self.args.sidecar_log:
