@@ -29,10 +29,11 @@ def test_every_name_in_all_exists() -> None:
 
 def test_all_lists_the_public_api() -> None:
     expected = {
-        "PROTOCOL_VERSION", "Client", "ClosedError", "ConfigError", "Conflict", "ConnectError",
-        "InvalidRequest", "KalosError", "NotFound", "PayloadTooLarge", "ProtocolMismatch",
-        "RequestTimeout", "Scope", "SearchResult", "ServerError", "SidecarGone", "StoreError",
-        "Timings", "TransportError", "__version__", "connect",
+        "PROTOCOL_VERSION", "AsyncClient", "Client", "ClosedError", "ConfigError", "Conflict",
+        "ConnectError", "InvalidRequest", "KalosError", "NotFound", "PayloadTooLarge",
+        "ProtocolMismatch", "RequestTimeout", "Scope", "SearchResult", "ServerError",
+        "SidecarGone", "StoreError", "Timings", "TransportError", "__version__", "connect",
+        "connect_async",
     }  # fmt: skip
     assert set(kalos.__all__) == expected
 

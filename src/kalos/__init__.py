@@ -13,6 +13,7 @@ Results are views valid until the same thread's next call; ``copy=True`` gives o
 
 __version__ = "0.1.0"
 
+from kalos.async_client import AsyncClient, connect_async
 from kalos.client import Client, SearchResult, Timings, connect
 from kalos.errors import (
     ClosedError,
@@ -34,6 +35,7 @@ from kalos.protocol import PROTOCOL_VERSION, Scope
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "AsyncClient",
     "Client",
     "ClosedError",
     "ConfigError",
@@ -54,4 +56,5 @@ __all__ = [
     "TransportError",
     "__version__",
     "connect",
+    "connect_async",
 ]

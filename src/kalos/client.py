@@ -245,7 +245,10 @@ class Client:
             raise ClosedError("this client is closed")
         if t is not None:
             self._forget(t)
-        new = self._open(self.timeout if timeout is None else timeout)
+        budget = self.timeout if timeout is None else timeout
+        if budget <= 0:  # e.g. an AsyncClient call that waited out its deadline for a channel
+            raise RequestTimeout("the call's deadline passed before a channel was opened")
+        new = self._open(budget)
         self._local.transport = new
         self._info = new.server_info
         with self._lock:
