@@ -1,0 +1,118 @@
+"""async: ping round trip through AsyncClient vs the sync Client, one and N at a time.
+
+One sidecar, shm. Systems, interleaved in blocks so that drift hits all alike:
+``sync`` (Client.ping on one thread), ``async`` (await AsyncClient.ping from one task),
+``sync-xN`` (N threads sharing a Client) and ``async-xN`` (N tasks sharing an AsyncClient, each
+latency measured around its own await). The number to quote is async over sync at p50 (the
+cost of the two thread hops), and the throughputs side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import threading
+import time
+
+import numpy as np
+
+from kalos.async_client import AsyncClient
+from kalos.bench.common import print_table, summarize, write_result
+from kalos.testing import isolated_sidecar
+
+SCENARIO = "async"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--requests", type=int, default=50_000, help="timed round trips per system")
+    p.add_argument("--block", type=int, default=1_000, help="round trips per interleaved block")
+    p.add_argument("--warmup", type=int, default=2_000)
+    p.add_argument("--concurrency", type=int, default=8, help="N of the -xN systems")
+
+
+def _sync_block(client, n: int, out: np.ndarray, at: int) -> None:
+    clock = time.perf_counter_ns
+    ping = client.ping
+    for i in range(at, at + n):
+        t0 = clock()
+        ping()
+        out[i] = clock() - t0
+
+
+def _sync_threads(client, n: int, threads: int, out: np.ndarray, at: int) -> None:
+    share = n // threads
+    workers = [
+        threading.Thread(target=_sync_block, args=(client, share, out, at + i * share))
+        for i in range(threads)
+    ]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+
+
+async def _async_block(client: AsyncClient, n: int, out: np.ndarray, at: int) -> None:
+    clock = time.perf_counter_ns
+    ping = client.ping
+    for i in range(at, at + n):
+        t0 = clock()
+        await ping()
+        out[i] = clock() - t0
+
+
+async def _async_tasks(client: AsyncClient, n: int, tasks: int, out: np.ndarray, at: int) -> None:
+    share = n // tasks
+    await asyncio.gather(*(_async_block(client, share, out, at + i * share) for i in range(tasks)))
+
+
+def run(args: argparse.Namespace) -> int:
+    c = args.concurrency
+    per_block = args.block - args.block % c  # the -xN systems split a block evenly
+    requests = args.requests - args.requests % per_block
+    systems = ("sync", "async", f"sync-x{c}", f"async-x{c}")
+    samples = {s: np.zeros(requests, np.int64) for s in systems}
+    wall = dict.fromkeys(systems, 0.0)
+    with isolated_sidecar(dim=8, name="bench-async") as sidecar:
+        sync = sidecar.connect(transport="shm")
+
+        async def main() -> None:
+            aclient = AsyncClient(sidecar.name, runtime_dir=sidecar.runtime_dir, max_channels=c)
+            async with aclient:
+                warm = np.zeros(args.warmup, np.int64)
+                _sync_block(sync, args.warmup, warm, 0)
+                await _async_block(aclient, args.warmup, warm, 0)
+                await _async_tasks(aclient, args.warmup - args.warmup % c, c, warm, 0)
+                for at in range(0, requests, per_block):
+                    for s in systems:
+                        t0 = time.perf_counter()
+                        if s == "sync":
+                            _sync_block(sync, per_block, samples[s], at)
+                        elif s == "async":
+                            await _async_block(aclient, per_block, samples[s], at)
+                        elif s.startswith("sync-"):
+                            _sync_threads(sync, per_block, c, samples[s], at)
+                        else:
+                            await _async_tasks(aclient, per_block, c, samples[s], at)
+                        wall[s] += time.perf_counter() - t0
+
+        asyncio.run(main())
+        sync.close()
+    rows = [summarize(s, samples[s], wall[s]) for s in systems]
+    hop = rows[1]["p50_us"] - rows[0]["p50_us"]
+    rows[1]["async_minus_sync_p50_us"] = round(hop, 2)
+    rows[1]["async_over_sync_p50"] = round(rows[1]["p50_us"] / rows[0]["p50_us"], 2)
+    rows[3]["async_over_sync_qps"] = round(rows[3]["qps"] / rows[2]["qps"], 2)
+    print_table(rows)
+    print(
+        f"one at a time: async costs {hop:+.1f} us at p50 ({rows[1]['async_over_sync_p50']}x); "
+        f"x{c}: async/sync throughput {rows[3]['async_over_sync_qps']}x"
+    )
+    path = write_result(
+        SCENARIO,
+        args.machine,
+        {"requests": requests, "block": per_block, "concurrency": c, "transport": "shm"},
+        rows,
+        args.out,
+    )
+    print(f"wrote {path}")
+    return 0
