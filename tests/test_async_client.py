@@ -8,6 +8,7 @@ one sent to a SIGSTOPped sidecar: it waits until SIGCONT, as long as the test wa
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import os
 import signal
@@ -361,3 +362,44 @@ def test_connect_errors_and_close(tmp_path: Path, sidecar: Callable[..., Running
             await c.put("k", "v")
 
     asyncio.run(main())
+
+
+def test_a_queued_search_past_its_deadline_degrades(sidecar: Callable[..., RunningSidecar]) -> None:
+    running = sidecar(dim=DIM)
+    q = np.ones(DIM, np.float32)
+
+    async def main() -> None:
+        async with connect(running, max_channels=1, hung_after=60.0, on_unavailable="degrade") as c:
+            await c.add(q, 1)
+            stop_process(running.process.pid)
+            sent = asyncio.create_task(c.search(q, k=1, timeout=1.0))
+            await asyncio.sleep(0.01)
+            t0 = time.monotonic()
+            queued = await c.search(q, k=2, timeout=0.1)  # never had a channel
+            assert time.monotonic() - t0 < 0.8
+            assert queued.degraded and queued.ids.tolist() == [-1, -1]
+            ctx = await c.context("s", max_tokens=5, timeout=0.1)
+            assert ctx.degraded
+            with pytest.raises(RequestTimeout):  # a write never degrades
+                await c.put("k", "v", timeout=0.1)
+            assert (await sent).degraded  # its own deadline passed on the stopped sidecar
+            os.kill(running.process.pid, signal.SIGCONT)
+            assert (await c.search(q, k=1)).ids.tolist() == [1]
+
+    asyncio.run(main())
+
+
+def test_a_dropped_client_ends_its_threads(sidecar: Callable[..., RunningSidecar]) -> None:
+    running = sidecar(dim=DIM)
+
+    async def use() -> list[threading.Thread]:
+        c = connect(running, max_channels=4)
+        await asyncio.gather(*(c.ping() for _ in range(8)))
+        return list(c._threads._threads)  # never closed: dropped here
+
+    threads = asyncio.run(use())
+    assert threads
+    gc.collect()
+    for t in threads:
+        t.join(TIMEOUT)
+        assert not t.is_alive()

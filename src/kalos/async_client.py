@@ -116,9 +116,9 @@ class _ChannelThreads:
     until :meth:`stop` (or until the AsyncClient that made them is garbage).
     """
 
-    def __init__(self, limit: int, run: Callable[[_Job], None]) -> None:
+    def __init__(self, limit: int, run: weakref.WeakMethod) -> None:
         self.limit = limit
-        self._run = run
+        self._run = run  # weak: the threads never keep their AsyncClient alive
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._idle = threading.Semaphore(0)  # released by a thread when it waits for a job
         self._threads: list[threading.Thread] = []
@@ -153,15 +153,19 @@ class _ChannelThreads:
 
 
 def _serve(
-    jobs: queue.SimpleQueue[_Job | None], idle: threading.Semaphore, run: Callable[[_Job], None]
+    jobs: queue.SimpleQueue[_Job | None], idle: threading.Semaphore, run: weakref.WeakMethod
 ) -> None:
-    """A channel thread's loop (a free function: it holds no AsyncClient alive)."""
+    """A channel thread's loop. It holds its AsyncClient only while running a job, so a client
+    dropped without close is collected, and its finalizer ends the threads."""
     while True:
         job = jobs.get()
         if job is None:
             return
-        run(job)
-        del job
+        method = run()
+        if method is None:
+            return
+        method(job)
+        del job, method
         idle.release()
 
 
@@ -258,7 +262,7 @@ class AsyncClient:
         self._client_lock = threading.Lock()
         self._closed = False
         self._in_flight = 0  # calls submitted and not yet back on the loop
-        self._threads = _ChannelThreads(max_channels, self._run)
+        self._threads = _ChannelThreads(max_channels, weakref.WeakMethod(self._run))
         weakref.finalize(self, self._threads.stop)
 
     # -- the sync client, on a channel thread ------------------------------------------------
@@ -272,7 +276,10 @@ class AsyncClient:
             if self._client is None:
                 if self._closed:
                     raise ClosedError("this client is closed")
-                self._client = self._make_client()
+                client = self._make_client()
+                self._client = client
+                if self._closed:  # close() ran during the handshake
+                    client.close()
             return self._client
 
     def _run(self, job: _Job) -> None:
@@ -395,8 +402,7 @@ class AsyncClient:
         """Closes every channel and ends the channel threads. Idempotent; calls in flight
         raise ClosedError (or finish), later calls raise ClosedError. Never blocks."""
         self._closed = True
-        with self._client_lock:
-            client = self._client
+        client = self._client  # not under _client_lock: a handshake may hold it
         if client is not None:
             client.close()
         self._threads.stop()
