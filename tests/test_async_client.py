@@ -22,9 +22,10 @@ import pytest
 
 import kalos
 from conftest import TIMEOUT, stop_process
-from kalos.async_client import _owned
+from kalos.async_client import _cuda_stream, _owned
 from kalos.errors import (
     ClosedError,
+    ConfigError,
     ConnectError,
     InvalidRequest,
     NotFound,
@@ -117,6 +118,8 @@ def test_every_method(transport: str, sidecar: Callable[..., RunningSidecar]) ->
             assert gone.memories == 1 and gone.logs == 1
             with pytest.raises(InvalidRequest):  # bad input raises from the await, as in Client
                 await c.search(vectors[0, :3], k=1)
+            with pytest.raises(ConfigError):  # as in Client: needs gpu_results on a cuda sidecar
+                await c.search_gpu(vectors[0], k=1)
             assert (await c.ping()).total_us > 0  # and the channel still serves
         with pytest.raises(ClosedError):
             await c.ping()
@@ -240,6 +243,7 @@ def test_owned_copies_views_and_keeps_owned_values() -> None:
     c = _owned(t[1:3])
     t[1] = 7
     assert c.tolist() == [1, 2]
+    assert _cuda_stream((t, np.zeros(2)), {"scope": None}) is None  # host tensors: no stream
 
 
 def test_cancelling_a_call_leaves_its_channel_usable(

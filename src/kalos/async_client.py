@@ -72,7 +72,9 @@ def _owned(value: Any) -> Any:
 class _Job:
     """One call: run on a channel thread, or expired on the loop while it still queued."""
 
-    __slots__ = ("args", "claim", "future", "kwargs", "loop", "method", "start", "timeout")
+    __slots__ = (
+        "args", "claim", "future", "kwargs", "loop", "method", "start", "stream", "timeout",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -91,12 +93,25 @@ class _Job:
         self.kwargs = kwargs
         self.timeout = timeout  # seconds, from ``start`` (the await)
         self.start = start
+        self.stream = _cuda_stream(args, kwargs)
         # Whoever takes it first runs the job: a channel thread, or the loop's deadline timer.
         self.claim = threading.Lock()
 
     def left(self) -> float:
         """Seconds of the deadline left (0 once it passed)."""
         return max(0.0, self.timeout - (_monotonic_ns() - self.start) * 1e-9)
+
+
+def _cuda_stream(args: tuple, kwargs: dict[str, Any]) -> Any:
+    """The awaiting caller's current CUDA stream when an argument is a torch CUDA tensor (a
+    search_gpu query), else None. The channel thread runs the call on that stream, so the
+    query's copy into the channel follows the caller's work on it, as in the sync client."""
+    for arg in (*args, *kwargs.values()):
+        if getattr(arg, "is_cuda", False) is True:
+            import torch
+
+            return torch.cuda.current_stream(arg.device)
+    return None
 
 
 def _resolve(future: asyncio.Future, ok: bool, value: Any) -> None:
@@ -292,7 +307,14 @@ class AsyncClient:
             try:
                 client = self._sync_client()
                 client._local.timings = None
-                value = _owned(job.method(client, *job.args, timeout=job.left(), **job.kwargs))
+                if job.stream is None:
+                    value = job.method(client, *job.args, timeout=job.left(), **job.kwargs)
+                else:
+                    import torch
+
+                    with torch.cuda.stream(job.stream):
+                        value = job.method(client, *job.args, timeout=job.left(), **job.kwargs)
+                value = _owned(value)
                 result, ok = (value, client._local.timings), True
             except BaseException as exc:  # handed to the awaiting task, raised there
                 result = exc
@@ -421,7 +443,9 @@ class AsyncClient:
     ping = _forward(Client.ping)
     stats = _forward(Client.stats)
     search = _forward(Client.search)
+
     search_gpu = _forward(Client.search_gpu)
+
     add = _forward(Client.add)
     remove = _forward(Client.remove)
     append_turn = _forward(Client.append_turn)
