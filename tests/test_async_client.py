@@ -407,3 +407,33 @@ def test_a_dropped_client_ends_its_threads(sidecar: Callable[..., RunningSidecar
     for t in threads:
         t.join(TIMEOUT)
         assert not t.is_alive()
+
+
+def test_many_cancelled_awaits_never_mix_up_answers(
+    sidecar: Callable[..., RunningSidecar],
+) -> None:
+    running = sidecar(dim=DIM)
+    rng = np.random.default_rng(4)
+
+    async def main() -> None:
+        async with connect(running, max_channels=8) as c:
+            await asyncio.gather(*(c.put(f"k{i}", f"v{i}") for i in range(32)))
+            answered = cancelled = 0
+            for _ in range(6):
+                keys = rng.integers(0, 32, 48)
+                calls = [asyncio.create_task(c.get(f"k{k}")) for k in keys]
+                await asyncio.sleep(float(rng.uniform(0, 0.002)))
+                for call in calls:
+                    if rng.random() < 0.5:
+                        call.cancel()
+                outcomes = await asyncio.gather(*calls, return_exceptions=True)
+                for k, out in zip(keys, outcomes, strict=True):
+                    if isinstance(out, asyncio.CancelledError):
+                        cancelled += 1
+                    else:
+                        assert out.value == f"v{k}".encode(), (k, out)
+                        answered += 1
+            assert answered and cancelled
+            assert c.reconnects == 0  # every channel was drained, none discarded
+
+    asyncio.run(main())
