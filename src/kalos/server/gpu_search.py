@@ -4,9 +4,10 @@ A search on a ``cuda`` sidecar never moves the index: the query (a few hundred b
 the GPU and the top-k comes back. Each (batch, k, filtered, destination) shape is captured
 once as a CUDA graph that does, in one launch:
 
-    host-result mode:  pinned query → device, fused scan + top-k, device → pinned results
-    GPU-result mode:   pinned query (or the client's GPU query) → device, scan + top-k,
-                       results → the channel's GPU result buffer (device to device)
+    host-result mode:  pinned query → device, fused scan + top-k, the merge writing the
+                       top-k straight into pinned host memory
+    GPU-result mode:   pinned query → device (or the client's GPU query, read in place),
+                       scan + top-k, the merge writing into the channel's GPU result buffer
 
 then the poller waits for the stream and publishes the response. In GPU-result mode nothing
 of the results crosses PCIe: the client reads them as torch tensors over the channel's GPU
@@ -82,56 +83,96 @@ class GpuResultBuffer:
             self.ptr = 0
 
 
+class _Inputs:
+    """A graph's device copy of the staged request block (scope, then queries), moved by one
+    memcpy node: ``scope`` [3] int64 and ``query`` [nq, dim] fp32 views of it."""
+
+    def __init__(self, staging: Staging, nq: int, with_queries: bool) -> None:
+        import torch
+
+        self.src = staging.block[
+            : staging.QUERY_OFFSET + (nq * staging.dim * 4 if with_queries else 0)
+        ]
+        self.block = torch.empty(len(self.src), dtype=torch.uint8, device=staging.device)
+        self.scope = self.block[:24].view(torch.int64)
+        self.query = (
+            self.block[staging.QUERY_OFFSET :].view(torch.float32).view(nq, staging.dim)
+            if with_queries
+            else None
+        )
+
+    def copy(self) -> None:
+        self.block.copy_(self.src, non_blocking=True)
+
+
 class _HostResultGraph(SearchGraph):
-    """Pinned query in, pinned results out, the fused search in between: one graph launch."""
+    """Pinned request in, pinned results out, the fused search in between: one graph launch.
+
+    The scope and query go to the device in one memcpy node; the merge kernel writes the
+    top-k straight into the pinned staging buffers (unified addressing), with no copy node
+    back. Measured on the H200 (bench/search_gpu_overhead.py, replay + sync at 100K x 128):
+    three copy nodes 38.7 µs; results written to pinned memory 30.4 µs. Letting the kernels
+    read the query from pinned memory too was slower (37.1 µs): every program of the scan
+    pulls it across PCIe before its first tile."""
 
     def __init__(self, index: CudaFlatIndex, nq: int, k: int, scoped: bool, staging: Staging):
-        self.staging = staging
-        super().__init__(index, nq, k, scoped)
+        self.inputs = _Inputs(staging, nq, True)
+        m = nq * k
+        super().__init__(
+            index, nq, k, scoped,
+            query=self.inputs.query,
+            scope=self.inputs.scope,
+            scores=staging.scores[:m].view(nq, k),
+            ids=staging.ids[:m].view(nq, k),
+        )  # fmt: skip
 
     def _run(self) -> None:
-        s, nq, k = self.staging, self.nq, self.k
-        self.query.copy_(s.query[:nq], non_blocking=True)
-        if self.scope_active:
-            self.scope.copy_(s.scope, non_blocking=True)
+        self.inputs.copy()
         super()._run()
-        s.scores[: nq * k].view(nq, k).copy_(self.scores, non_blocking=True)
-        s.ids[: nq * k].view(nq, k).copy_(self.ids, non_blocking=True)
 
 
 class _DeviceResultGraph(SearchGraph):
-    """Query from pinned memory or the channel's GPU slots; results into the channel's GPU
-    buffer. No device-to-host copy."""
+    """The request from pinned memory (one memcpy node; the scope alone when the query is
+    read in place from the channel's GPU query slots); the top-k written straight into the
+    channel's GPU buffer. No copy back."""
 
     def __init__(self, index: CudaFlatIndex, nq: int, k: int, scoped: bool, staging: Staging,
                  buffer: GpuResultBuffer, gpu_query: bool) -> None:  # fmt: skip
-        self.staging = staging
-        self.buffer = buffer
-        self.gpu_query = gpu_query
-        super().__init__(index, nq, k, scoped)
+        self.inputs = _Inputs(staging, nq, not gpu_query)
+        m = nq * k
+        super().__init__(
+            index, nq, k, scoped,
+            query=buffer.query[:nq] if gpu_query else self.inputs.query,
+            scope=self.inputs.scope,
+            scores=buffer.scores[:m].view(nq, k),
+            ids=buffer.ids[:m].view(nq, k),
+        )  # fmt: skip
 
     def _run(self) -> None:
-        s, b, nq, k = self.staging, self.buffer, self.nq, self.k
-        self.query.copy_(b.query[:nq] if self.gpu_query else s.query[:nq], non_blocking=True)
-        if self.scope_active:
-            self.scope.copy_(s.scope, non_blocking=True)
+        self.inputs.copy()
         super()._run()
-        b.scores[: nq * k].view(nq, k).copy_(self.scores, non_blocking=True)
-        b.ids[: nq * k].view(nq, k).copy_(self.ids, non_blocking=True)
 
 
 class Staging:
-    """Pinned host buffers the graphs copy from and to (allocated once)."""
+    """Pinned host memory the graphs copy from and write into (allocated once).
 
-    def __init__(self, dim: int, max_batch: int) -> None:
+    ``block``: the request, scope ([3] int64 at 0) then queries ([max_batch, dim] fp32 at
+    ``QUERY_OFFSET``), so that one copy moves both; ``scores`` and ``ids``: the top-k."""
+
+    QUERY_OFFSET = 32
+
+    def __init__(self, dim: int, max_batch: int, device: Any) -> None:
         import torch
 
-        self.query = torch.zeros((max_batch, dim), dtype=torch.float32).pin_memory()
-        self.scope = torch.zeros(3, dtype=torch.int64).pin_memory()
+        self.dim = dim
+        self.device = device
+        self.block = torch.zeros(self.QUERY_OFFSET + max_batch * dim * 4, dtype=torch.uint8)
+        self.block = self.block.pin_memory()
         self.scores = torch.zeros(max_batch * 1024, dtype=torch.float32).pin_memory()
         self.ids = torch.zeros(max_batch * 1024, dtype=torch.int64).pin_memory()
-        self.query_np = self.query.numpy()
-        self.scope_np = self.scope.numpy()
+        block = self.block.numpy()
+        self.scope_np = block[:24].view(np.int64)
+        self.query_np = block[self.QUERY_OFFSET :].view(np.float32).reshape(max_batch, dim)
         self.scores_np = self.scores.numpy()
         self.ids_np = self.ids.numpy()
 
@@ -149,7 +190,7 @@ class GpuSearch:
         self.device = index.device.index or 0
         cuda_ipc.ensure_context(self.device)
         self.max_batch = min(index._max_batch, GPU_MAX_QUERIES)
-        self.staging = Staging(index.dim, self.max_batch)
+        self.staging = Staging(index.dim, self.max_batch, index.device)
         # Replays run on torch's current stream, the one index adds and removes are queued
         # on, so a search always sees every write before it.
         self.stream = torch.cuda.current_stream(index.device)
@@ -163,8 +204,7 @@ class GpuSearch:
     def _stage(self, queries: np.ndarray | None, scope: tuple[int, int, int] | None) -> None:
         if queries is not None:
             self.staging.query_np[: len(queries)] = queries
-        if scope is not None:
-            self.staging.scope_np[:] = scope
+        self.staging.scope_np[:] = (0, 0, 0) if scope is None else scope
 
     def search(
         self, queries: np.ndarray, k: int, scope: tuple[int, int, int] | None
