@@ -81,6 +81,7 @@ def encode_scope_fields(scope: Scope | None) -> ScopeBytes:
 
 
 EMPTY_SCOPE = encode_scope_fields(None)
+_NO_SCOPE = Scope(None, None, None)
 
 
 def write_scope(buf: np.ndarray, off: int, sb: ScopeBytes) -> int:
@@ -98,6 +99,8 @@ def read_scope(buf: np.ndarray, off: int, end: int) -> tuple[Scope, int]:
     _need(off + 16, end)
     a, b, c, _ = _HEAD4.unpack_from(buf, off)
     off += 16
+    if not (a or b or c):  # the common case: no scope (saves ~1.5 µs per request)
+        return _NO_SCOPE, off
     _need(off + a + b + c, end)
     raw = bytes(buf[off : off + a + b + c])
     try:
