@@ -225,6 +225,7 @@ class Client:
             given = connector
             self._open = lambda budget: given()
         self._local = threading.local()
+        self._recording = 0  # threads that record stage stamps (record_stages)
         # Weak: a thread that ends drops its channel (its thread-local goes), and the
         # channel's socket closes with it, so the sidecar frees the channel.
         self._transports: weakref.WeakSet[Transport] = weakref.WeakSet()
@@ -279,6 +280,23 @@ class Client:
         """Timings of this thread's last completed call."""
         return getattr(self._local, "timings", None)
 
+    def record_stages(self, on: bool = True) -> None:
+        """Whether this thread's calls keep the stamps of :attr:`last_stamps` (benchmarks'
+        per-stage breakdown). While no thread records, a call pays one integer test."""
+        was = getattr(self._local, "stamps", None) is not None
+        if on != was:
+            self._local.stamps = (0, 0, 0) if on else None
+            with self._lock:
+                self._recording += 1 if on else -1
+
+    @property
+    def last_stamps(self) -> tuple[int, int, int] | None:
+        """``(start_ns, sent_ns, received_ns)`` of this thread's last call, on the
+        ``time.monotonic_ns()`` clock, while it records (:meth:`record_stages`): the call
+        began (before validating and encoding), its request was published (0: the transport
+        does not say), its response was seen (before decoding). None when not recording."""
+        return getattr(self._local, "stamps", None)
+
     def _call(self, t: Transport, op: int, flags: int, n: int, timeout: float | None, start: int):
         # The deadline counts from the call's start: a reconnect before it used part of it.
         left = (self.timeout if timeout is None else timeout) - (_monotonic_ns() - start) * 1e-9
@@ -286,6 +304,8 @@ class Client:
             raise RequestTimeout("the call's deadline passed while connecting to the sidecar")
         resp = t.request(op, flags, n, timeout=left)
         self._local.timings = _timings(resp, start)
+        if self._recording and getattr(self._local, "stamps", None) is not None:
+            self._local.stamps = (start, t.last_sent_ns(), _monotonic_ns())
         if resp.status != codes.Status.OK:
             raise error_for_status(resp.status, M.decode_text(resp.body, len(resp.body)))
         return resp
