@@ -12,9 +12,18 @@ import argparse
 
 def add_bench_parsers(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="scenario", required=True)
-    from kalos.bench import context, recovery, search_cpu, search_gpu, stress, transport, writes
+    from kalos.bench import (
+        context,
+        recall,
+        recovery,
+        search_cpu,
+        search_gpu,
+        stress,
+        transport,
+        writes,
+    )
 
-    for module in (transport, search_cpu, search_gpu, context, writes, recovery, stress):
+    for module in (transport, search_cpu, search_gpu, context, recall, writes, recovery, stress):
         p = sub.add_parser(
             module.SCENARIO, help=module.__doc__.splitlines()[0] if module.__doc__ else ""
         )

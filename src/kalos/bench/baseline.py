@@ -36,6 +36,7 @@ from kalos.errors import ConfigError
 
 Turn = tuple[str, str, np.ndarray]  # role, text, int32 token ids
 Window = tuple[np.ndarray, list[tuple[str, str]]]
+Ids = Sequence[int] | np.ndarray  # token ids
 
 
 # -- the budget rule, shared with the reference answers ------------------------------------
@@ -58,29 +59,32 @@ def newest_that_fit(turns: list[dict[str, Any]], max_tokens: int) -> Window:
 
 
 def assemble(
-    system: Sequence[int] | None,
-    memories: Sequence[Sequence[int]],
-    turns: Sequence[Sequence[int]],
+    system: Ids | None,
+    memories: Sequence[Ids],
+    turns: Sequence[Ids],
     max_tokens: int,
     max_turns: int | None = None,
+    memory_tokens: int | None = None,
 ) -> list[int]:
     """A recall's token ids: [system prompt] + [memories, best hit first] + [turns, oldest
-    first], within ``max_tokens``.
+    first], within ``max_tokens``: kalos's rule (``Client.recall``, docs/PROTOCOL.md).
 
-    The system prompt comes first when it fits. Memories follow in rank order, whole ones
-    only: the first that does not fit ends them. The turns are the newest that fit what is
-    left (a contiguous suffix, at most ``max_turns``), as in a context.
+    (1) The system prompt when it fits. (2) The memories share what is left, at most
+    ``memory_tokens``: in rank order, each whole or not at all (one that does not fit is
+    dropped; a later, shorter one may still fit). (3) The newest turns that fit what remains,
+    a contiguous suffix of at most ``max_turns``, as in a context.
     """
     budget = max_tokens
     out: list[int] = []
     if system is not None and 0 < len(system) <= budget:
         out.extend(system)
         budget -= len(system)
+    share = budget if memory_tokens is None else min(budget, memory_tokens)
     for memory in memories:
-        if len(memory) > budget:
-            break
-        out.extend(memory)
-        budget -= len(memory)
+        if len(memory) <= share:
+            out.extend(memory)
+            share -= len(memory)
+            budget -= len(memory)
     limit = len(turns) if max_turns is None else max_turns
     first = len(turns)
     while first > 0 and len(turns) - first < limit and len(turns[first - 1]) <= budget:
