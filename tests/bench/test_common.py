@@ -172,7 +172,8 @@ def test_run_interleaved_splits_kalos_calls(sidecar):
 
 def test_plot_writes_a_png_beside_the_json(tmp_path):
     path = write_result("unit", "box", {"n": 1}, [{"system": "a"}], str(tmp_path), "cpu")
-    assert path.endswith("unit-box-" + json.load(open(path))["date"] + "-cpu.json")
+    with open(path) as f:
+        assert path.endswith("unit-box-" + json.load(f)["date"] + "-cpu.json")
     rng = np.random.default_rng(1)
     png = plot_result(
         path,
@@ -190,8 +191,10 @@ def test_plot_writes_a_png_beside_the_json(tmp_path):
 
 def test_a_failed_plot_keeps_the_json_and_says_why(tmp_path, capsys):
     path = write_result("unit", "box", {}, [], str(tmp_path))
-    before = open(path).read()
+    with open(path) as f:
+        before = f.read()
     assert plot_result(path, {"empty": {}}) is None
     assert "no plot" in capsys.readouterr().err
-    assert open(path).read() == before
+    with open(path) as f:
+        assert f.read() == before
     assert not any(p.suffix == ".png" for p in tmp_path.iterdir())

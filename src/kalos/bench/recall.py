@@ -229,7 +229,9 @@ def run(args: argparse.Namespace) -> int:
         t_base = time.perf_counter() - t0
         print(f"loaded kalos in {t_kalos:.1f} s, redis+faiss in {t_base:.1f} s")
         client = sidecar.connect(gpu_results=cuda, timeout=30)
-        parts: dict[str, list[tuple[float, float, float]]] = {}
+        # The sidecar's split of compute per (system, threads), logged by the checks.
+        parts: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
+        running = [0]  # the concurrency level running now
 
         def kalos_host(i: int) -> Any:
             return client.recall(names[i], queries[i], k=k, max_tokens=budget)
@@ -238,10 +240,9 @@ def run(args: argparse.Namespace) -> int:
             return client.recall(names[i], queries[i], k=k, max_tokens=budget, device="cuda")
 
         def kalos_check(row: str) -> Any:
-            log = parts.setdefault(row, [])
-
             def check(i: int, got: Any) -> bool:
-                log.append(tuple(got.parts))  # list.append: atomic under the GIL
+                # list.append is atomic under the GIL; setdefault of a present key too
+                parts.setdefault((row, running[0]), []).append(tuple(got.parts))
                 tokens = got.token_ids
                 if hasattr(tokens, "cpu"):
                     tokens = tokens.cpu().numpy()
@@ -279,13 +280,13 @@ def run(args: argparse.Namespace) -> int:
             for j in range(args.warmup):
                 i = int(order[j % len(order)])
                 mismatches += int(not system.check(i, system.call(i)))
-        for log in parts.values():  # keep the lists: the checks hold them
-            log.clear()
+        parts.clear()
         load_before = load_average()
         results = {}
         total = len(levels) * len(systems) * len(order)
         with Progress(total, "recall", quiet=args.quiet) as progress:
             for threads in levels:
+                running[0] = threads
                 progress.update(0, f"recall, {threads} thread(s)")
                 results[threads] = run_interleaved(
                     systems,
@@ -314,16 +315,14 @@ def run(args: argparse.Namespace) -> int:
             row["baseline_over_this_p50"] = round(by["redis+faiss"]["p50_us"] / row["p50_us"], 2)
             row["baseline_over_this_p99"] = round(by["redis+faiss"]["p99_us"] / row["p99_us"], 2)
         rows += level
-    for name, log in parts.items():  # the sidecar's split of compute, over all levels
+    for row in rows:  # the sidecar's split of compute
+        log = parts.get((row["system"], row["concurrency"]))
         if log:
             p = np.asarray(log)
-            split = {
+            row["sidecar_parts_p50_us"] = {
                 part: round(float(np.median(p[:, j])), 3)
                 for j, part in enumerate(("context", "search", "assemble"))
             }
-            for row in rows:
-                if row["system"] == name:
-                    row["sidecar_parts_p50_us"] = split
     columns = ("system", "concurrency", "p50_us", "p99_us", "p999_us", "qps",
                "baseline_over_this_p50", "baseline_over_this_p99")  # fmt: skip
     print_table(rows, columns)
