@@ -167,6 +167,13 @@ class RedisFaissRecall:
         self.index = faiss.IndexIDMap(faiss.IndexFlatIP(dim))
         self.sessions = RedisMemory(client)
 
+    def omp_threads(self) -> int:
+        """FAISS's OpenMP threads. A search of one query uses one of them (faiss runs
+        ``min(nq, threads)``), so concurrent requests do not oversubscribe the cores."""
+        import faiss
+
+        return int(faiss.omp_get_max_threads())
+
     def add_memories(
         self,
         ids: np.ndarray,

@@ -67,6 +67,7 @@ def _draw(
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     groups = {
         g: {s: np.asarray(v) for s, v in systems.items() if len(v)}
@@ -87,10 +88,17 @@ def _draw(
     if groups:
         for col, (group, systems) in enumerate(groups.items()):
             ax = fig.add_subplot(grid[0, col])
+            lo, hi = np.inf, 0.0
             for system, ns in systems.items():
-                us = np.quantile(ns.astype(np.float64) / 1e3, _QUANTILES)
-                ax.plot(np.maximum(us, 1e-3), _QUANTILES, label=system, color=color[system])
+                us = np.maximum(np.quantile(ns.astype(np.float64) / 1e3, _QUANTILES), 1e-3)
+                ax.plot(us, _QUANTILES, label=system, color=color[system])
+                lo, hi = min(lo, us[0]), max(hi, us[-1])
             ax.set_xscale("log")
+            # Plain numbers; at 1, 2 and 5 per decade when the panel spans only a few decades.
+            subs = (1.0, 2.0, 5.0) if hi / lo < 300 else (1.0,)
+            ax.xaxis.set_major_locator(LogLocator(base=10, subs=subs))
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+            ax.xaxis.set_minor_formatter(NullFormatter())
             ax.set_ylim(0, 1.0)
             for q in (0.5, 0.99):
                 ax.axhline(q, color="grey", linestyle=":", linewidth=0.8)

@@ -223,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
         t_kalos = time.perf_counter() - t0
         t0 = time.perf_counter()
         base = RedisFaissRecall(r, args.dim, base_device)
+        base_omp_threads = base.omp_threads()
         base.add_memories(corpus.ids, corpus.vectors, corpus.texts, corpus.tokens)
         for name, turns in corpus.sessions.items():
             base.sessions.load(name, turns)
@@ -361,7 +362,8 @@ def run(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "redis": f"redis-server {redis_version}, Unix socket, redis-py; JSON turns per session "
         "(LRANGE) and a JSON text + token ids per memory (MGET), one pipelined round trip",
-        "faiss": "IndexIDMap(IndexFlatIP), float32, in process",
+        "faiss": "IndexIDMap(IndexFlatIP), float32, in process; one query a search runs on "
+        f"one thread (of {base_omp_threads} OpenMP threads)",
     }
     extra: dict[str, Any] = {}
     if torch.cuda.is_available():
