@@ -326,7 +326,8 @@ class Client:
 
     def record_stages(self, on: bool = True) -> None:
         """Whether this thread's calls keep the stamps of :attr:`last_stamps` (benchmarks'
-        per-stage breakdown). While no thread records, a call pays one integer test."""
+        per-stage breakdown). While no thread records, a call pays one integer test; turn it
+        off before the thread ends, or every call keeps paying a thread-local lookup."""
         was = getattr(self._local, "stamps", None) is not None
         if on != was:
             self._local.stamps = (0, 0, 0) if on else None

@@ -167,6 +167,7 @@ def test_run_interleaved_splits_kalos_calls(sidecar):
     assert res.mismatches == 0
     assert res.stages_us is not None and not np.isnan(res.stages_us).any()
     np.testing.assert_allclose(res.stages_us.sum(axis=1), res.samples_ns / 1e3, atol=1e-3)
+    assert client._recording == 0  # the worker threads stopped recording
     client.close()
 
 
