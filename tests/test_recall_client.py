@@ -229,3 +229,22 @@ def test_recall_degrades_when_the_sidecar_is_gone(
     with pytest.raises(InvalidRequest):  # bad input still raises
         degrading.recall("s", E0, k=0, max_tokens=100)
     degrading.close()
+
+
+def test_an_older_sidecar_is_told_apart(
+    sidecar: Callable[..., RunningSidecar], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Against a 1.0 sidecar, recall and add(tokens=...) raise ProtocolMismatch instead of
+    sending what it would misread (token ids as payload bytes)."""
+    import kalos.transport.handshake
+
+    monkeypatch.setattr(kalos.transport.handshake, "PROTOCOL_VERSION", (1, 0))
+    client = sidecar().connect(timeout=TIMEOUT)
+    assert client.info["protocol"] == [1, 0]
+    with pytest.raises(kalos.ProtocolMismatch, match="recall needs protocol 1.1"):
+        client.recall("s", E0, max_tokens=10)
+    with pytest.raises(kalos.ProtocolMismatch, match=r"add\(tokens=...\)"):
+        client.add(E0, 1, "text", tokens=[1])
+    client.add(E0, 1, "text")  # without token ids: as before
+    assert client.search(E0, k=1).payloads == ["text"]
+    client.close()
