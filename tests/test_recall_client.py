@@ -241,7 +241,7 @@ def test_an_older_sidecar_is_told_apart(
     monkeypatch.setattr(kalos.transport.handshake, "PROTOCOL_VERSION", (1, 0))
     client = sidecar().connect(timeout=TIMEOUT)
     assert client.info["protocol"] == [1, 0]
-    with pytest.raises(kalos.ProtocolMismatch, match="recall needs protocol 1.1"):
+    with pytest.raises(kalos.ProtocolMismatch, match=r"recall needs protocol 1\.1"):
         client.recall("s", E0, max_tokens=10)
     with pytest.raises(kalos.ProtocolMismatch, match=r"add\(tokens=...\)"):
         client.add(E0, 1, "text", tokens=[1])
