@@ -717,6 +717,10 @@ class Client:
                 if gpu is None:
                     raise ConfigError('recall(device="cuda") needs kalos.connect(..., '
                                       "gpu_results=True) to a cuda sidecar")  # fmt: skip
+                if device != "cuda" and device != f"cuda:{gpu.device}":
+                    raise ConfigError(
+                        f"this channel's GPU buffer is on cuda:{gpu.device}, not {device}"
+                    )
                 if max_tokens > gpu.max_tokens:
                     raise InvalidRequest(
                         f'recall(device="cuda") takes max_tokens <= {gpu.max_tokens} (the GPU '

@@ -91,6 +91,9 @@ def test_bad_gpu_recalls_are_refused_and_serving_goes_on(gpu_sidecar):
     sc, client, base = gpu_sidecar
     with pytest.raises(kalos.InvalidRequest, match="max_tokens"):
         client.recall("s", base[0], max_tokens=GPU_MAX_TOKENS + 1, device="cuda")
+    with pytest.raises(kalos.ConfigError, match="cuda:0"):
+        client.recall("s", base[0], max_tokens=10, device="cuda:7")
+    assert client.recall("s", base[0], max_tokens=10, device="cuda:0").token_ids.is_cuda
     plain = sc.connect()
     with pytest.raises(kalos.ConfigError, match="gpu_results"):
         plain.recall("s", base[0], max_tokens=10, device="cuda")
