@@ -89,6 +89,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the sidecar's device; cuda adds the kalos-shm-gpu row")  # fmt: skip
     p.add_argument("--margin", type=float, default=2e-3,
                    help="least gap between the exact top-(k+1) scores of a query")  # fmt: skip
+    p.add_argument("--spin-us", type=float, default=None,
+                   help="the kalos client spins this long, then parks")  # fmt: skip
     p.add_argument("--seed", type=int, default=17)
     p.add_argument("--redis-server", default=None, help="path of redis-server")
     p.add_argument("--suffix", default=None,
@@ -229,7 +231,8 @@ def run(args: argparse.Namespace) -> int:
             base.sessions.load(name, turns)
         t_base = time.perf_counter() - t0
         print(f"loaded kalos in {t_kalos:.1f} s, redis+faiss in {t_base:.1f} s")
-        client = sidecar.connect(gpu_results=cuda, timeout=30)
+        spin = {} if args.spin_us is None else {"spin_us": args.spin_us}
+        client = sidecar.connect(gpu_results=cuda, timeout=30, **spin)
         # The sidecar's split of compute per (system, threads), logged by the checks.
         parts: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
         running = [0]  # the concurrency level running now
@@ -357,6 +360,7 @@ def run(args: argparse.Namespace) -> int:
         "block": args.block,
         "concurrency": levels,
         "device": args.device,
+        "client_spin_us": args.spin_us,
         "baseline_device": base_device,
         "margin": args.margin,
         "seed": args.seed,
