@@ -13,7 +13,15 @@ Results are views valid until the same thread's next call; ``copy=True`` gives o
 
 __version__ = "0.1.0"
 
-from kalos.client import Client, SearchResult, Timings, connect
+from kalos.client import (
+    Client,
+    Recall,
+    RecallContext,
+    RecallParts,
+    SearchResult,
+    Timings,
+    connect,
+)
 from kalos.errors import (
     ClosedError,
     ConfigError,
@@ -44,6 +52,9 @@ __all__ = [
     "NotFound",
     "PayloadTooLarge",
     "ProtocolMismatch",
+    "Recall",
+    "RecallContext",
+    "RecallParts",
     "RequestTimeout",
     "Scope",
     "SearchResult",

@@ -1,4 +1,9 @@
-"""Benchmarks behind ``kalos bench SCENARIO`` (names from BENCHMARKS.md)."""
+"""Benchmarks behind ``kalos bench SCENARIO`` (names from BENCHMARKS.md).
+
+Every scenario writes ``<out>/<scenario>-<machine>-<date>.json`` and, where it has samples, a
+PNG beside it (:mod:`kalos.bench.plots`); long runs show a progress bar on a terminal's
+stderr (``--quiet``: none).
+"""
 
 from __future__ import annotations
 
@@ -7,14 +12,24 @@ import argparse
 
 def add_bench_parsers(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="scenario", required=True)
-    from kalos.bench import context, recovery, search_cpu, search_gpu, stress, transport, writes
+    from kalos.bench import (
+        context,
+        recall,
+        recovery,
+        search_cpu,
+        search_gpu,
+        stress,
+        transport,
+        writes,
+    )
 
-    for module in (transport, search_cpu, search_gpu, context, writes, recovery, stress):
+    for module in (transport, search_cpu, search_gpu, context, recall, writes, recovery, stress):
         p = sub.add_parser(
             module.SCENARIO, help=module.__doc__.splitlines()[0] if module.__doc__ else ""
         )
         p.add_argument("--out", default="bench/results", help="directory for the JSON result")
         p.add_argument("--machine", default=None, help="machine name in the result file")
+        p.add_argument("--quiet", action="store_true", help="no progress bar")
         module.add_arguments(p)
         p.set_defaults(bench=module.run)
 

@@ -16,17 +16,19 @@ buffer, which it mapped once through CUDA IPC (:mod:`kalos.gpu.cuda_ipc`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from kalos.errors import ConfigError
+from kalos.errors import ConfigError, InvalidRequest
 from kalos.gpu import cuda_ipc
 from kalos.index.cuda_flat import CudaFlatIndex, SearchGraph
 
 # Per-channel GPU result buffer: room for this many queries and hits (nq * k).
 GPU_MAX_QUERIES = 64
 GPU_MAX_HITS = 16384
+GPU_MAX_TOKENS = 131072  # token ids of one GPU-result recall (int32: 512 KiB)
 _ALIGN = 256
 
 
@@ -35,24 +37,34 @@ def _align(n: int) -> int:
 
 
 class GpuResultBuffer:
-    """One channel's GPU memory: query slots, result ids and scores, exported by CUDA IPC.
+    """One channel's GPU memory: query slots, result ids and scores, recall token ids,
+    exported by CUDA IPC.
 
     Layout (bytes, each part 256-aligned): ``query f32[GPU_MAX_QUERIES, dim]``,
-    ``ids i64[GPU_MAX_HITS]``, ``scores f32[GPU_MAX_HITS]``. A result of nq x k fills the
-    first nq*k entries of ids and scores, row-major.
+    ``ids i64[GPU_MAX_HITS]``, ``scores f32[GPU_MAX_HITS]``, ``tokens i32[GPU_MAX_TOKENS]``.
+    A result of nq x k fills the first nq*k entries of ids and scores, row-major; a recall of
+    n token ids the first n tokens. ``staging``: pinned int32 host memory of at least
+    GPU_MAX_TOKENS, shared by the buffers of one sidecar (dispatch is serial).
     """
 
-    def __init__(self, dim: int, device: int) -> None:
+    max_tokens = GPU_MAX_TOKENS
+
+    def __init__(self, dim: int, device: int, staging: Any = None) -> None:
+        import torch
+
         self.device = device
         self.dim = dim
         self.query_offset = 0
         self.ids_offset = _align(GPU_MAX_QUERIES * dim * 4)
         self.scores_offset = self.ids_offset + _align(GPU_MAX_HITS * 8)
-        self.nbytes = self.scores_offset + _align(GPU_MAX_HITS * 4)
+        self.tokens_offset = self.scores_offset + _align(GPU_MAX_HITS * 4)
+        self.nbytes = self.tokens_offset + _align(GPU_MAX_TOKENS * 4)
+        if staging is None:
+            staging = torch.zeros(GPU_MAX_TOKENS, dtype=torch.int32).pin_memory()
+        self._token_staging = staging
+        self._token_staging_mv = memoryview(staging.numpy()).cast("B")
         self.ptr = cuda_ipc.mem_alloc(self.nbytes)
         self.handle = cuda_ipc.ipc_handle(self.ptr)
-        import torch
-
         self.query = cuda_ipc.tensor_at(self.ptr, (GPU_MAX_QUERIES, dim), torch.float32, device)
         self.ids = cuda_ipc.tensor_at(
             self.ptr + self.ids_offset, (GPU_MAX_HITS,), torch.int64, device
@@ -60,6 +72,10 @@ class GpuResultBuffer:
         self.scores = cuda_ipc.tensor_at(
             self.ptr + self.scores_offset, (GPU_MAX_HITS,), torch.float32, device
         )
+        self.tokens = cuda_ipc.tensor_at(
+            self.ptr + self.tokens_offset, (GPU_MAX_TOKENS,), torch.int32, device
+        )
+        self._stream = torch.cuda.current_stream
         self.graphs: dict[tuple[int, int, bool, bool], _DeviceResultGraph] = {}
 
     def describe(self) -> dict[str, Any]:
@@ -74,7 +90,24 @@ class GpuResultBuffer:
             "query_offset": self.query_offset,
             "ids_offset": self.ids_offset,
             "scores_offset": self.scores_offset,
+            "max_tokens": GPU_MAX_TOKENS,
+            "tokens_offset": self.tokens_offset,
         }
+
+    def write_tokens(self, pieces: Sequence[bytes | memoryview], n: int) -> None:
+        """Copies a recall's token ids (int32 bytes, ``n`` ids in all, in order) into
+        ``tokens[:n]``: gathered into pinned memory, one host-to-device copy, and the stream
+        waited for, so they are complete when the response is published."""
+        if n > GPU_MAX_TOKENS:
+            raise InvalidRequest(f"{n} token ids exceed the {GPU_MAX_TOKENS} GPU token slots")
+        mv = self._token_staging_mv
+        pos = 0
+        for piece in pieces:
+            mv[pos : pos + len(piece)] = piece
+            pos += len(piece)
+        if n:
+            self.tokens[:n].copy_(self._token_staging[:n], non_blocking=True)
+            self._stream(self.device).synchronize()
 
     def free(self) -> None:
         self.graphs.clear()
@@ -191,6 +224,8 @@ class GpuSearch:
         cuda_ipc.ensure_context(self.device)
         self.max_batch = min(index._max_batch, GPU_MAX_QUERIES)
         self.staging = Staging(index.dim, self.max_batch, index.device)
+        # Recall token ids on their way into a channel's GPU buffer (dispatch is serial).
+        self.token_staging = torch.zeros(GPU_MAX_TOKENS, dtype=torch.int32).pin_memory()
         # Replays run on torch's current stream, the one index adds and removes are queued
         # on, so a search always sees every write before it.
         self.stream = torch.cuda.current_stream(index.device)
@@ -199,7 +234,7 @@ class GpuSearch:
     def new_result_buffer(self) -> GpuResultBuffer:
         """A GPU result buffer for a new channel (called from the listener's thread)."""
         cuda_ipc.ensure_context(self.device)
-        return GpuResultBuffer(self.index.dim, self.device)
+        return GpuResultBuffer(self.index.dim, self.device, self.token_staging)
 
     def _stage(self, queries: np.ndarray | None, scope: tuple[int, int, int] | None) -> None:
         if queries is not None:

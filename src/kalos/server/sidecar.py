@@ -83,9 +83,12 @@ class Sidecar:
         self.epoch = secrets.randbits(63) or 1
         self._threadpools = threadpool_limits(limits=config.compute_threads)
         self.path = socket_path(config.name, config.runtime_dir)
+        # One tokenizer for turns and memories sent without token ids.
+        tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer is not None else None
         self.memories = MemoryStore(
             index.create(config.index_spec, dim=config.dim, metric=config.metric),
             limits=config.limits,
+            tokenizer=tokenizer,
         )
         if config.reserve and hasattr(self.memories.index, "reserve"):
             self.memories.index.reserve(config.reserve)
@@ -100,10 +103,7 @@ class Sidecar:
             name=config.name,
             device=config.device,
             extra_stats=self._stats,
-            sessions=SessionStore(
-                config.limits,
-                load_tokenizer(config.tokenizer) if config.tokenizer is not None else None,
-            ),
+            sessions=SessionStore(config.limits, tokenizer),
             state=StateStore(config.limits),
         )
         self.durability: Durability | None = None

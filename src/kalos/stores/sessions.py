@@ -207,6 +207,16 @@ class Session:
             self.txt_cum = [c - x0 for c in self.txt_cum[f:]]
         self.first = 0
 
+    def newest(self, budget: int, max_turns: int | None) -> int:
+        """The first of the newest turns whose token ids fit ``budget`` (at most
+        ``max_turns`` turns): a contiguous suffix, as :meth:`SessionStore.context` takes."""
+        cum = self.tok_cum
+        n = len(cum) - 1
+        first = bisect_left(cum, cum[n] - budget, self.first, n)
+        if max_turns is not None and n - first > max_turns:
+            first = n - max_turns
+        return first
+
     def turn_window(self, first: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Views of turns ``first..end``: (tokens, meta, text)."""
         n = len(self.tok_cum) - 1
@@ -289,6 +299,11 @@ class SessionStore:
             s.text_mv[txt[first] : txt[n]],
             system,
         )
+
+    def live(self, session: str, *, now: float, scope: Scope | None = None) -> Session:
+        """The live session ``session`` (its buffers: valid until its next change). NotFound
+        for an unknown or expired session, or one outside ``scope``."""
+        return self._live(session, now, scope)
 
     def turns(
         self, session: str, *, now: float, scope: Scope | None = None
