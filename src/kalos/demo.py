@@ -181,7 +181,8 @@ class KalosMemory:
     def __init__(self, client: Client, budget: Budget) -> None:
         self.client = client
         self.budget = budget
-        self.last_parts: tuple[float, float, float] = (0.0, 0.0, 0.0)  # of the last step
+        # of the last step, µs: the sidecar's pick-up (queue), context, search, assemble
+        self.last_parts: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
 
     def load(self, memories: Sequence[Memory], vectors: np.ndarray) -> None:
         for scope, rows in by_scope(memories).items():  # a scope applies to a whole add
@@ -215,7 +216,7 @@ class KalosMemory:
         import torch
 
         rec = self.recall(conv, query)
-        self.last_parts = rec.parts
+        self.last_parts = (rec.timings.queue_us, *rec.parts)
         return torch.from_numpy(rec.token_ids)
 
 
@@ -329,7 +330,7 @@ class TurnRecord:
     context: RecallContext
     token_ids: np.ndarray  # owned copy of the model's input
     kalos_ns: np.ndarray  # the printed call first, then the timed repetitions
-    parts_us: np.ndarray  # [n, 3] the sidecar's context, search, assemble µs per call
+    parts_us: np.ndarray  # [n, 4] per call, µs: the sidecar's queue, context, search, assemble
     redis_ns: np.ndarray | None = None
     redis_answer: str | None = None  # vs the Kalos recall: "same", "tie" or "different"
     others: list[Scope] = field(default_factory=list)  # other people in a tenant-wide top-k
@@ -417,10 +418,10 @@ def run_conversations(
                 rec.context,
                 rec.token_ids.copy(),
                 np.zeros(repeat + 1, np.int64),
-                np.zeros((repeat + 1, 3)),
+                np.zeros((repeat + 1, 4)),
             )
             record.kalos_ns[0] = first_ns
-            record.parts_us[0] = rec.parts
+            record.parts_us[0] = (rec.timings.queue_us, *rec.parts)
             out_of_scope += sum(owner.get(int(i)) != conv.scope for i in record.ids if i >= 0)
             wide = client.search(query, budget.k, scope=Scope(conv.scope.tenant), payloads=False)
             record.others = [
@@ -499,12 +500,11 @@ def _print_turn(out: Print, r: TurnRecord, owned: int, turns: int) -> None:
     )
     parts = np.median(r.parts_us[1:] if len(r.parts_us) > 1 else r.parts_us, axis=0)
     k50 = float(np.median(r.kalos_ns[1:] if len(r.kalos_ns) > 1 else r.kalos_ns))
-    line = (
+    out(
         f"  recall through kalos: {_us(k50)} p50 of {max(len(r.kalos_ns) - 1, 1)} "
-        f"(first call {_us(r.kalos_ns[0])}; in the sidecar: context {parts[0]:.1f} + search "
-        f"{parts[1]:.1f} + assemble {parts[2]:.1f} µs)"
+        f"(first call {_us(r.kalos_ns[0])}); sidecar p50s: picked up after {parts[0]:.1f}, "
+        f"context {parts[1]:.1f} + search {parts[2]:.1f} + assemble {parts[3]:.1f} µs"
     )
-    out(line)
     if r.redis_ns is not None:
         p50 = float(np.median(r.redis_ns[1:] if len(r.redis_ns) > 1 else r.redis_ns))
         same = {
