@@ -233,3 +233,23 @@ def test_the_conversations_recall_their_own_memories(
     assert "checks: 0 recalled memories outside their person's scope" in printed
     assert ("Redis pipeline / kalos" in printed) == with_redis
     client.close()
+
+
+def test_without_redis_server_the_comparison_is_skipped_with_the_reason(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    import argparse
+
+    from kalos.demo import _pipeline_unavailable, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert _pipeline_unavailable(parser.parse_args(["--no-redis"])) == (None, "--no-redis")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no redis-server on it
+    found, why = _pipeline_unavailable(parser.parse_args([]))
+    assert found is None and why is not None and "redis-server is not installed" in why
+    not_a_program = tmp_path / "redis-server"
+    not_a_program.write_text("")
+    not_a_program.chmod(0o644)
+    found, why = _pipeline_unavailable(parser.parse_args(["--redis-server", str(not_a_program)]))
+    assert found is None and why is not None and "not an executable file" in why

@@ -627,6 +627,10 @@ def _pipeline_unavailable(args: argparse.Namespace) -> tuple[str | None, str | N
     if args.no_redis:
         return None, "--no-redis"
     found = args.redis_server or shutil.which("redis-server")
+    if args.redis_server and not (
+        os.path.isfile(args.redis_server) and os.access(args.redis_server, os.X_OK)
+    ):
+        return None, f"--redis-server {args.redis_server} is not an executable file"
     if not found:
         return None, (
             "redis-server is not installed (scripts/demo installs it with apt-get "
@@ -701,7 +705,7 @@ def run(args: argparse.Namespace) -> int:
                     f"and to the Redis pipeline (redis-server {version}, private Unix socket; "
                     f"FAISS in this process) in {(time.perf_counter() - t0) * 1e3:.0f} ms"
                 )
-            except ConfigError as exc:
+            except (ConfigError, OSError) as exc:  # redis-server did not start
                 skipped = str(exc)
         if skipped:
             print(f"the Redis pipeline comparison is skipped: {skipped}")
