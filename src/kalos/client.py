@@ -29,6 +29,7 @@ from kalos.errors import (
     ConnectError,
     InvalidRequest,
     PayloadTooLarge,
+    ProtocolMismatch,
     RequestTimeout,
     SidecarGone,
 )
@@ -298,6 +299,16 @@ class Client:
                 self.reconnects += 1
         return new
 
+    @staticmethod
+    def _needs(t: Transport, minor: int, what: str) -> None:
+        """ProtocolMismatch unless the channel's negotiated protocol has ``minor`` (1.x)."""
+        proto = t.server_info.get("protocol")  # the in-process transport has none: current
+        if proto is not None and (int(proto[0]), int(proto[1])) < (1, minor):
+            raise ProtocolMismatch(
+                f"{what} needs protocol 1.{minor}; the sidecar speaks {proto[0]}.{proto[1]}: "
+                "upgrade the sidecar"
+            )
+
     def _forget(self, t: Transport) -> None:
         t.close()
         with self._lock:
@@ -516,7 +527,10 @@ class Client:
         fixed, per_item = M.add_item_sizes(
             self.dim, v.itemsize, np.fromiter(map(len, blobs), np.int64, n), sb, token_lens
         )
-        flags = 0 if token_lists is None else codes.ADD_HAS_TOKENS
+        flags = 0
+        if token_lists is not None:  # a 1.0 sidecar would read the token ids as payload bytes
+            self._needs(t, 1, "add(tokens=...)")
+            flags = codes.ADD_HAS_TOKENS
         if int(per_item.max()) + fixed > capacity:
             raise PayloadTooLarge(
                 f"an item of {int(per_item.max())} bytes does not fit the {capacity}-byte arena"
@@ -697,11 +711,16 @@ class Client:
         flags = int(codes.RecallFlag.GPU_RESULT) if on_gpu else 0
         try:
             t = self._channel(timeout)
+            self._needs(t, 1, "recall")
             gpu = t.gpu if on_gpu else None
             if on_gpu:
                 if gpu is None:
                     raise ConfigError('recall(device="cuda") needs kalos.connect(..., '
                                       "gpu_results=True) to a cuda sidecar")  # fmt: skip
+                if device != "cuda" and device != f"cuda:{gpu.device}":
+                    raise ConfigError(
+                        f"this channel's GPU buffer is on cuda:{gpu.device}, not {device}"
+                    )
                 if max_tokens > gpu.max_tokens:
                     raise InvalidRequest(
                         f'recall(device="cuda") takes max_tokens <= {gpu.max_tokens} (the GPU '

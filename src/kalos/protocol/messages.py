@@ -1077,48 +1077,51 @@ def encode_recall_response(
     ``scores`` [k] f32, ``ids`` [k] i64, ``memory_tokens`` [k], ``payloads`` (kind, bytes) per
     hit; ``pieces``: the token ids as int32 bytes, in order (system prompt, memories, turns),
     one copy each, ``n_tokens`` ids in all; None: they are on the GPU (flag TOKENS_ON_GPU).
+    Built with struct and memoryview copies: a handful of numpy calls would cost more than
+    the whole of a small response (k = 5).
     """
     k = len(ids)
-    blob_len = sum(len(p[1]) for p in payloads)
+    datas = [p[1] for p in payloads]
+    blob_len = sum(map(len, datas))
     in_body = 0 if pieces is None else n_tokens
     size = recall_response_size(k, blob_len, in_body)
-    _fit(size, len(buf), "recall response")
-    n_hits = int(np.count_nonzero(ids != -1))
+    if size > len(buf):
+        _fit(size, len(buf), "recall response")
+    id_list = ids.tolist()
+    n_hits = k - id_list.count(-1)
+    mv = memoryview(buf)
     _RECALL_RESP_HEAD.pack_into(
         buf, 0, k, n_hits, n_tokens, flags, system_tokens, n_turns, turn_tokens, 0, 0, 0, 0
     )
     off = 56
-    buf[off : off + _pad8(4 * k)] = 0
-    buf[off : off + 4 * k].view(np.float32)[:] = scores
-    off += _pad8(4 * k)
-    buf[off : off + 8 * k].view(np.int64)[:] = ids
+    pad = _pad8(4 * k) - 4 * k
+    mv[off : off + 4 * k] = np.ascontiguousarray(scores, "<f4").tobytes()
+    mv[off + 4 * k : off + 4 * k + pad] = b"\0\0\0\0"[:pad]
+    off += 4 * k + pad
+    struct.pack_into(f"<{k}q", buf, off, *id_list)
     off += 8 * k
-    buf[off : off + _pad8(4 * k)] = 0
-    buf[off : off + 4 * k].view(np.int32)[:] = memory_tokens
-    off += _pad8(4 * k)
-    kinds = buf[off : off + _pad8(k)]
-    kinds[:] = 0
-    off += _pad8(k)
-    offsets = buf[off : off + 8 * (k + 1)].view(np.uint64)
+    struct.pack_into(f"<{k}i{pad}x", buf, off, *memory_tokens)
+    off += 4 * k + pad
+    kpad = _pad8(k)
+    mv[off : off + kpad] = bytes([p[0] for p in payloads]).ljust(kpad, b"\0")
+    off += kpad
+    bounds = [0]
+    for d in datas:
+        bounds.append(bounds[-1] + len(d))
+    struct.pack_into(f"<{k + 1}Q", buf, off, *bounds)
     off += 8 * (k + 1)
-    mv = memoryview(buf)
     if pieces is not None:
         pos = off
         for piece in pieces:
-            mv[pos : pos + len(piece)] = piece
-            pos += len(piece)
+            end = pos + len(piece)
+            mv[pos:end] = piece
+            pos = end
         if pos != off + 4 * n_tokens:
             raise ValueError("the token pieces do not add up to n_tokens")
         off = _pad8(pos)
-        mv[pos:off] = bytes(off - pos)
-    start = pos = off
-    offsets[0] = 0
-    for i, (kind, data) in enumerate(payloads):
-        kinds[i] = kind
-        if data:
-            mv[pos : pos + len(data)] = data
-            pos += len(data)
-        offsets[i + 1] = pos - start
+        mv[pos:off] = b"\0\0\0\0"[: off - pos]
+    if blob_len:
+        mv[off : off + blob_len] = b"".join(datas)
     return size
 
 
@@ -1148,29 +1151,41 @@ def decode_recall_response(buf: np.ndarray, end: int) -> RecallResponse:
     _need(56, end)
     (k, n_hits, n_tokens, flags, system_tokens, n_turns, turn_tokens, _,
      context_ns, search_ns, assemble_ns) = _RECALL_RESP_HEAD.unpack_from(buf, 0)  # fmt: skip
-    off = 56
-    scores = _array(buf, off, np.dtype(np.float32), k, end)
-    off += _pad8(4 * k)
-    ids = _array(buf, off, np.dtype(np.int64), k, end)
-    off += 8 * k
-    memory_tokens = _array(buf, off, np.dtype(np.int32), k, end)
-    off += _pad8(4 * k)
-    kinds = _array(buf, off, np.dtype(np.uint8), k, end)
-    off += _pad8(k)
-    offsets = _array(buf, off, np.dtype(np.uint64), k + 1, end)
-    off += 8 * (k + 1)
+    at_ids = 56 + _pad8(4 * k)
+    at_counts = at_ids + 8 * k
+    at_kinds = at_counts + _pad8(4 * k)
+    at_offsets = at_kinds + _pad8(k)
+    off = at_offsets + 8 * (k + 1)
+    _need(off, end)
+    scores = np.frombuffer(buf, np.float32, k, 56)  # views: no copy
+    ids = np.frombuffer(buf, np.int64, k, at_ids)
+    memory_tokens = np.frombuffer(buf, np.int32, k, at_counts)
     tokens = None
     if not flags & codes.RecallResponseFlag.TOKENS_ON_GPU:
-        tokens = _array(buf, off, np.dtype(np.int32), n_tokens, end)
+        _need(off + 4 * n_tokens, end)
+        tokens = np.frombuffer(buf, np.int32, n_tokens, off)
         off += _pad8(4 * n_tokens)
-    if offsets[0] != 0 or bool((offsets[1:] < offsets[:-1]).any()):
+    kinds = bytes(buf[at_kinds : at_kinds + k])
+    bounds = struct.unpack_from(f"<{k + 1}Q", buf, at_offsets)
+    if bounds[0] != 0 or any(bounds[i + 1] < bounds[i] for i in range(k)):
         raise InvalidRequest("payload offsets are not ascending from 0")
-    _need(off + int(offsets[-1]), end)
-    blob = buf[off : off + int(offsets[-1])].tobytes()
+    _need(off + bounds[-1], end)
+    blob = bytes(buf[off : off + bounds[-1]])
+    payloads: list[str | bytes | None] = []
+    try:
+        for i in range(k):
+            kind = kinds[i]
+            if kind == codes.PAYLOAD_TEXT:
+                payloads.append(blob[bounds[i] : bounds[i + 1]].decode())
+            elif kind == codes.PAYLOAD_BYTES:
+                payloads.append(blob[bounds[i] : bounds[i + 1]])
+            else:
+                payloads.append(None)
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest("a text payload is not valid UTF-8") from exc
     return RecallResponse(
-        scores, ids, memory_tokens, tokens, _decode_payloads(kinds, offsets, blob), n_hits,
-        n_tokens, flags, system_tokens, n_turns, turn_tokens, context_ns, search_ns,
-        assemble_ns,
+        scores, ids, memory_tokens, tokens, payloads, n_hits, n_tokens, flags, system_tokens,
+        n_turns, turn_tokens, context_ns, search_ns, assemble_ns,
     )  # fmt: skip
 
 

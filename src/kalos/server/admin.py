@@ -304,6 +304,7 @@ class SidecarCollector:
             ("items", "Memory items in the index"),
             ("index_bytes", "Bytes held by the vector index"),
             ("payload_bytes", "Bytes of memory payloads"),
+            ("memory_token_bytes", "Bytes of memories' token ids (int32)"),
             ("sessions", "Sessions (context buffers)"),
             ("session_turns", "Turns held in all sessions"),
             ("session_tokens", "Token ids held in all sessions"),
