@@ -282,7 +282,12 @@ class RedisPipeline:
         pipe.get(f"system:{conv.session}")
         pipe.lrange(f"session:{conv.session}", 0, -1)
         system_raw, turns_raw = pipe.execute()
-        scores, ids = self.indexes[conv.scope].search(query.reshape(1, -1), b.k)
+        index = self.indexes.get(conv.scope)
+        if index is None:  # this person has no memories
+            scores = np.full((1, b.k), -np.inf, np.float32)
+            ids = np.full((1, b.k), -1, np.int64)
+        else:
+            scores, ids = index.search(query.reshape(1, -1), b.k)
         hits = [int(i) for i in ids[0] if i >= 0]
         memories = [json.loads(raw) for raw in self.r.hmget("memories", hits)] if hits else []
         pieces: list[list[int]] = []
@@ -357,14 +362,6 @@ def compare(rec: Any, other: PipelineRecall) -> str:
     return "different"
 
 
-def _timed(step: Callable[[], Any], out: np.ndarray, at: int, n: int) -> None:
-    clock = time.perf_counter_ns
-    for i in range(at, at + n):
-        t = clock()
-        step()
-        out[i] = clock() - t
-
-
 def run_conversations(
     client: Client,
     embed: Embed,
@@ -437,7 +434,7 @@ def run_conversations(
                 disagreements += record.redis_answer == "different"
             _time_repeats(kalos, pipeline, conv, query, record, repeat, block)
             records.append(record)
-            _print_turn(out, record, count[conv.scope], len(conv.turns))
+            _print_turn(out, record, count.get(conv.scope, 0), len(conv.turns))
             for s in systems:
                 s.append(conv, "assistant", reply)
             out(f"  assistant (canned): {reply}")
@@ -453,24 +450,36 @@ def _time_repeats(
     repeat: int,
     block: int,
 ) -> None:
-    """``repeat`` timed recalls per system after the printed one, in interleaved blocks (each
-    block starts with two untimed calls: the sidecar parks while the model embeds)."""
-    at = 1
-    while at <= repeat:
-        n = min(block, repeat + 1 - at)
+    """``repeat`` timed recalls per system after the printed one, in interleaved blocks whose
+    order alternates; each block starts with two untimed calls (the other system, or the
+    model, ran in between)."""
+    clock = time.perf_counter_ns
+
+    def time_kalos(at: int, n: int) -> None:
         for _ in range(2):
             kalos.step(conv, query)
-        clock = time.perf_counter_ns
         for i in range(at, at + n):
             t = clock()
             kalos.step(conv, query)
             record.kalos_ns[i] = clock() - t
             record.parts_us[i] = kalos.last_parts
-        if pipeline is not None and record.redis_ns is not None:
-            for _ in range(2):
-                pipeline.step(conv, query)
-            _timed(lambda: pipeline.step(conv, query), record.redis_ns, at, n)
-        at += n
+
+    def time_pipeline(at: int, n: int) -> None:
+        if pipeline is None or record.redis_ns is None:
+            return
+        for _ in range(2):
+            pipeline.step(conv, query)
+        for i in range(at, at + n):
+            t = clock()
+            pipeline.step(conv, query)
+            record.redis_ns[i] = clock() - t
+
+    at, first = 1, True
+    while at <= repeat:
+        n = min(block, repeat + 1 - at)
+        for run in (time_kalos, time_pipeline) if first else (time_pipeline, time_kalos):
+            run(at, n)
+        at, first = at + n, not first
 
 
 def _us(ns: float) -> str:
