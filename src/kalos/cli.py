@@ -164,8 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--tenant-max-bytes",
         type=int,
         default=None,
-        help="bytes of memories per tenant: vectors at 4 bytes a dimension plus payloads "
-        "(default: no limit)",
+        help="bytes of memories per tenant: vectors at 4 bytes a dimension plus payloads and "
+        "token ids (4 bytes each) (default: no limit)",
     )
     serve.set_defaults(func=_serve)
 
