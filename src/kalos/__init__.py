@@ -7,6 +7,8 @@ Start a sidecar with ``kalos serve --name NAME --dim D``, then from the inferenc
     client.add(vectors, ids, payloads=texts, scope=kalos.Scope("acme", "user-1"))
     hits = client.search(query, k=10, scope=kalos.Scope("acme"))
     hits.ids, hits.scores, hits.payloads   # numpy views into the channel, then payloads
+    r = client.recall("chat-42", query, k=5, max_tokens=4096)   # context + memories
+    r.token_ids                            # int32 [system] + [memories] + [turns]
 
 Results are views valid until the same thread's next call; ``copy=True`` gives owned arrays.
 """

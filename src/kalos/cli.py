@@ -164,8 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--tenant-max-bytes",
         type=int,
         default=None,
-        help="bytes of memories per tenant: vectors at 4 bytes a dimension plus payloads "
-        "(default: no limit)",
+        help="bytes of memories per tenant: vectors at 4 bytes a dimension plus payloads and "
+        "token ids (4 bytes each) (default: no limit)",
     )
     serve.set_defaults(func=_serve)
 
@@ -175,7 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--timeout", type=float, default=2.0)
     status.set_defaults(func=_status)
 
-    demo = sub.add_parser("demo", help="load a synthetic corpus and recall through a sidecar")
+    demo = sub.add_parser(
+        "demo", help="a chat assistant's memory step on real text: kalos vs a Redis pipeline"
+    )
     from kalos.demo import add_arguments
 
     add_arguments(demo)

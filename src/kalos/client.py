@@ -159,7 +159,7 @@ class Recall(NamedTuple):
     ``token_ids``: [system prompt if pinned and it fits] + [the included memories' token ids,
     best hit first, each whole] + [the session's newest turns, oldest first]; int32, a view
     into the channel (numpy) or, with ``device="cuda"``, a torch int32 CUDA tensor over the
-    channel's GPU buffer; valid until this thread's next call unless ``copy=True`` (host).
+    channel's GPU buffer; valid until this thread's next call unless ``copy=True``.
     ``ids`` [k] int64 and ``scores`` [k] float32: the top-k memories, -1 (and ±inf) where
     fewer matched; views unless ``copy=True``. ``texts``: the payload of each hit (``ids``
     other than -1, in hit order): str for text, bytes for a bytes payload, None for none.
@@ -713,8 +713,9 @@ class Client:
         or expired session). ``device="cuda"``: the token ids come back as a torch int32
         tensor over this thread's GPU result buffer (needs ``gpu_results=True`` and a cuda
         sidecar; ``max_tokens`` at most the buffer's token slots, 131,072), no copy,
-        complete when this returns. With ``on_unavailable="degrade"`` an unavailable sidecar
-        gives an empty Recall with ``degraded=True``.
+        complete when this returns. The arrays are views valid until this thread's next
+        call; ``copy=True`` owns them (a clone on the GPU). With ``on_unavailable="degrade"``
+        an unavailable sidecar gives an empty Recall with ``degraded=True``.
         """
         start = _monotonic_ns()
         if type(session) is not str or not session:
@@ -761,6 +762,8 @@ class Client:
         ids, scores, counts = r.ids, r.scores, r.memory_tokens
         if gpu is not None:
             token_ids: Any = gpu.tokens[: r.n_tokens]
+            if copy:
+                token_ids = token_ids.clone()
         else:
             token_ids = r.tokens
             if copy:

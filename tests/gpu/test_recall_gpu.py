@@ -69,6 +69,8 @@ def test_gpu_token_ids_are_a_view_of_the_channels_buffer(gpu_sidecar):
     kept = g.token_ids.clone()
     client.recall("s", base[900], k=4, max_tokens=500, device="cuda")
     assert not torch.equal(kept, g.token_ids) or kept.numel() == 0  # overwritten: a view
+    owned = client.recall("s", base[3], k=4, max_tokens=500, device="cuda", copy=True)
+    assert owned.token_ids.data_ptr() != slots.data_ptr() and torch.equal(owned.token_ids, kept)
 
 
 def test_a_large_recall_fills_the_token_slots(gpu_sidecar):

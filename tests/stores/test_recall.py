@@ -342,3 +342,16 @@ def test_recall_matches_the_reference(
     assert plan.n_tokens == len(want) <= max_tokens
     assert plan.ids.tolist() == list(range(len(hits))) + [-1] * (k - len(hits))
     assert sum(plan.memory_tokens) + plan.system_tokens + plan.turn_tokens == len(want)
+
+
+def test_token_ids_count_against_the_tenant_byte_limit() -> None:
+    item = 4 * DIM  # a vector's bytes, as accounted
+    memories = memory_store(limits=Limits(tenant_max_bytes=2 * item + 20))
+    add(memories, [(1, 1.0, "ab", [1, 2, 3])], Scope("acme"))  # item + 2 + 12
+    with pytest.raises(InvalidRequest, match="--tenant-max-bytes"):
+        add(memories, [(2, 1.0, "ab", [1, 2])], Scope("acme"))  # + item + 2 + 8: 2 over
+    add(memories, [(2, 1.0, "ab", [1])], Scope("acme"))  # exactly the limit
+    with pytest.raises(InvalidRequest, match="--tenant-max-bytes"):
+        add(memories, [(1, 1.0, "ab", [1, 2, 3, 4])], Scope("acme"))  # an upsert that grows
+    add(memories, [(1, 1.0, "ab", None)])  # moved out of the tenant, ids gone
+    add(memories, [(3, 1.0, "", [1, 2, 3])], Scope("acme"))  # 22 + item + 12 = 50

@@ -137,7 +137,10 @@ class MemoryStore:
         scopes = np.broadcast_to(self.scopes.intern(scope), (n, 3))
         unique = np.unique(ids)
         if self._quota:
-            self._check_tenant(scope, int(scopes[0, 0]) if n else 0, ids, unique, offsets)
+            token_lens = np.array([0 if b is None else len(b) for b in token_bytes], np.int64)
+            self._check_tenant(
+                scope, int(scopes[0, 0]) if n else 0, ids, unique, offsets, token_lens
+            )
             self._tally(unique, -1)
         before = len(self.index)
         self.index.add(vectors, ids, scopes)
@@ -203,14 +206,19 @@ class MemoryStore:
         return [get(item, b"") for item in ids.reshape(-1).tolist()]
 
     def _usage(self, ids: np.ndarray) -> tuple[list[int], list[int]]:
-        """Tenant code and bytes (vector + payload) of each of ``ids`` that is present."""
+        """Tenant code and bytes (vector + payload + token ids) of each of ``ids`` that is
+        present."""
         rows = self._scoped.rows_of(ids)
         present = rows >= 0
         tenants = self._scoped.scope_columns[0, rows[present]].tolist()
         vector = 4 * self.index.dim
         get = self._payloads.get
         none = (codes.PAYLOAD_NONE, b"")
-        sizes = [vector + len(get(item, none)[1]) for item in ids[present].tolist()]
+        tokens = self._tokens.get
+        sizes = [
+            vector + len(get(item, none)[1]) + len(tokens(item, b""))
+            for item in ids[present].tolist()
+        ]
         return tenants, sizes
 
     def _tally(self, ids: np.ndarray, sign: int) -> None:
@@ -223,7 +231,7 @@ class MemoryStore:
 
     def _check_tenant(
         self, scope: Scope, tenant: int, ids: np.ndarray, unique: np.ndarray,
-        offsets: np.ndarray,
+        offsets: np.ndarray, token_lens: np.ndarray,
     ) -> None:  # fmt: skip
         """InvalidRequest naming the flag when an add would take ``tenant`` over a limit."""
         if not tenant:
@@ -239,7 +247,9 @@ class MemoryStore:
         if self._max_bytes is not None:
             # the last occurrence of an id in the batch is the one that stays
             last = len(ids) - 1 - np.unique(ids[::-1], return_index=True)[1]
-            sizes_in = np.diff(offsets)[last] + 4 * self.index.dim
+            sizes_in = (
+                np.diff(offsets).astype(np.int64)[last] + token_lens[last] + 4 * self.index.dim
+            )
             total = self._tenant_bytes.get(tenant, 0) - sum(mine) + int(sizes_in.sum())
             if total > self._max_bytes:
                 raise InvalidRequest(

@@ -54,8 +54,10 @@ _COMPACT_AFTER = 32  # dropped head turns before a compaction is considered
 def load_tokenizer(path: str) -> Tokenizer:
     """A Hugging Face ``tokenizers`` tokenizer file (tokenizer.json) as a :data:`Tokenizer`.
 
-    Special tokens are not added: a turn's ids are the ids of its text alone. Raises
-    ConfigError when the package (``pip install 'kalos[text]'``) or the file is missing.
+    Special tokens are not added, and the file's padding and truncation settings are
+    switched off (an embedding model's tokenizer.json often pads every text to 128 ids):
+    a turn's ids are the ids of its text alone, all of them. Raises ConfigError when the
+    package (``pip install 'kalos[text]'``) or the file is missing.
     """
     try:
         import tokenizers
@@ -67,6 +69,8 @@ def load_tokenizer(path: str) -> Tokenizer:
         tok = tokenizers.Tokenizer.from_file(path)
     except Exception as exc:  # tokenizers raises its own Exception subclass
         raise ConfigError(f"cannot load the tokenizer {path!r}: {exc}") from exc
+    tok.no_padding()
+    tok.no_truncation()
 
     def tokenize(text: str) -> np.ndarray:
         return np.asarray(tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
