@@ -32,7 +32,7 @@ def test_all_lists_the_public_api() -> None:
         "PROTOCOL_VERSION", "Client", "ClosedError", "ConfigError", "Conflict", "ConnectError",
         "InvalidRequest", "KalosError", "NotFound", "PayloadTooLarge", "ProtocolMismatch",
         "RequestTimeout", "Scope", "SearchResult", "ServerError", "SidecarGone", "StoreError",
-        "Timings", "TransportError", "__version__", "connect",
+        "Timings", "Tls", "TransportError", "__version__", "connect",
     }  # fmt: skip
     assert set(kalos.__all__) == expected
 

@@ -31,6 +31,7 @@ from kalos.errors import (
     TransportError,
 )
 from kalos.protocol import PROTOCOL_VERSION, Scope
+from kalos.transport import Tls
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -51,6 +52,7 @@ __all__ = [
     "SidecarGone",
     "StoreError",
     "Timings",
+    "Tls",
     "TransportError",
     "__version__",
     "connect",
