@@ -2,7 +2,8 @@
 
 ``isolated_sidecar(...)`` starts a real sidecar process (``python -m kalos serve``) with its
 own private socket directory, waits until it accepts clients (with ``--data-dir``: until it
-finished recovering), and stops it (SIGTERM, then SIGKILL) on exit.
+finished recovering; with ``--grpc``: until its grpc listeners are up too), and stops it
+(SIGTERM, then SIGKILL) on exit.
 """
 
 from __future__ import annotations
@@ -144,8 +145,8 @@ def isolated_sidecar(
         sidecar = RunningSidecar(name, runtime_dir, proc)
         try:
             wait_for_socket(sidecar.socket, proc)
-            if "--data-dir" in extra_args:
-                wait_ready(sidecar.socket, proc)
+            if "--data-dir" in extra_args or "--grpc" in extra_args:
+                wait_ready(sidecar.socket, proc)  # recovered; grpc listening
             yield sidecar
         finally:
             if proc.poll() is None:
