@@ -26,8 +26,8 @@ def test_transport_bench_rows_ratios_and_quantiles(tmp_path: Path) -> None:
     ]
     for row in result["rows"]:
         assert row["n"] == 120
-        q = list(row["quantiles"].values())
-        assert list(row["quantiles"])[0] == "p0.1" and list(row["quantiles"])[-1] == "p99.9"
+        names, q = list(row["quantiles"]), list(row["quantiles"].values())
+        assert (names[0], names[-1]) == ("p0.1", "p99.9")
         assert q == sorted(q) and q[0] > 0
     assert [r["concurrency"] for r in result["ratios"]] == [1, 2]
     for ratio in result["ratios"]:
