@@ -32,6 +32,10 @@ from concurrent import futures
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+# Before grpc is imported: its fork handlers off. Snapshots fork a child (kalos.server.
+# durability) while grpc's threads run; with the handlers on, that child aborts.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 import grpc
 import numpy as np
 
