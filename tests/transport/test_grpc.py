@@ -30,6 +30,7 @@ import kalos.index  # noqa: E402
 from conftest import DIM, TIMEOUT, stop_process  # noqa: E402
 from kalos import Scope  # noqa: E402
 from kalos.errors import (  # noqa: E402
+    ClosedError,
     ConfigError,
     Conflict,
     ConnectError,
@@ -184,6 +185,36 @@ def test_deadline_and_a_hung_sidecar(sidecar: Callable[..., RunningSidecar]) -> 
     assert c.reconnects == 1
 
 
+def test_close_while_another_thread_waits(sidecar: Callable[..., RunningSidecar]) -> None:
+    sc = sidecar(dim=DIM, extra_args=LOOPBACK)
+    c = grpc_client(sc)
+    outcome: list[BaseException | str] = []
+    ready, go = threading.Event(), threading.Event()
+
+    def call() -> None:
+        c.ping()  # this thread's channel exists before the sidecar stops
+        ready.set()
+        go.wait()
+        try:
+            c.ping(timeout=TIMEOUT)
+            outcome.append("returned")
+        except BaseException as exc:
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=call)
+    waiter.start()
+    assert ready.wait(TIMEOUT)
+    stop_process(sc.process.pid)  # so that the ping waits
+    try:
+        go.set()
+        time.sleep(0.2)  # the call is in flight
+        c.close()
+        waiter.join(TIMEOUT)
+    finally:
+        os.kill(sc.process.pid, signal.SIGCONT)
+    assert len(outcome) == 1 and isinstance(outcome[0], ClosedError), outcome
+
+
 def test_a_killed_sidecar_then_its_restart(tmp_path: Path) -> None:
     run = str(tmp_path)
     with isolated_sidecar(dim=DIM, name="k", runtime_dir=run, extra_args=LOOPBACK) as sc:
@@ -320,7 +351,7 @@ def test_unix_socket_listener_is_private(sidecar: Callable[..., RunningSidecar])
         with kalos.connect(f"unix:{path}", transport="grpc", timeout=TIMEOUT) as c:
             c.add(VECTORS[:3], IDS[:3])
             assert c.search(VECTORS[1], k=1).ids[0] == IDS[1]
-        sc.stop()
+        assert sc.stop() == 0
         assert not os.path.exists(path)  # removed at a clean stop
 
 
