@@ -85,7 +85,10 @@ def client_hello(
         raise ConnectError(f"cannot connect to the sidecar at {path}: {exc}") from exc
     hello = hello_message(transport, arena_bytes, gpu_results)
     try:
-        send_message(sock, hello)
+        # A sidecar refusing this peer (SO_PEERCRED) answers at once and closes, maybe before
+        # the hello arrives (EPIPE); its answer is still there to read.
+        with contextlib.suppress(BrokenPipeError):
+            send_message(sock, hello)
         reply, fds = recv_message(sock)
     except (OSError, ConnectionError) as exc:
         sock.close()
