@@ -33,7 +33,7 @@ def test_all_lists_the_public_api() -> None:
         "InvalidRequest", "KalosError", "NotFound", "PayloadTooLarge", "ProtocolMismatch",
         "Recall", "RecallContext", "RecallParts", "RequestTimeout", "Scope", "SearchResult",
         "ServerError", "SidecarGone", "StoreError",
-        "Timings", "TransportError", "__version__", "connect",
+        "Timings", "Tls", "TransportError", "__version__", "connect",
     }  # fmt: skip
     assert set(kalos.__all__) == expected
 

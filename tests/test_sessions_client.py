@@ -1,6 +1,6 @@
 """Sessions, agent state, event logs and forget through the client, over every transport.
 
-Each test gets a fresh store (a new sidecar process for shm and uds) from the ``backend``
+Each test gets a fresh store (a new sidecar process for shm, uds and grpc) from the ``backend``
 fixture of conftest.py. Limits, the tokenizer and TTL have tests of their own below: limits
 and the tokenizer need sidecar flags, TTL an injected clock (in-process only).
 """

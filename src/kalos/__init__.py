@@ -41,6 +41,7 @@ from kalos.errors import (
     TransportError,
 )
 from kalos.protocol import PROTOCOL_VERSION, Scope
+from kalos.transport import Tls
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -64,6 +65,7 @@ __all__ = [
     "SidecarGone",
     "StoreError",
     "Timings",
+    "Tls",
     "TransportError",
     "__version__",
     "connect",

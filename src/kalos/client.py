@@ -38,7 +38,7 @@ from kalos.protocol import layout as L
 from kalos.protocol import messages as M
 from kalos.protocol.codes import Op, error_for_status
 from kalos.protocol.messages import Event, Scope, SessionInfo, StateValue
-from kalos.transport import Transport, open_transport
+from kalos.transport import Tls, Transport, open_transport
 from kalos.transport.base import Response
 
 _monotonic_ns = time.monotonic_ns
@@ -208,8 +208,10 @@ def _timings(resp: Response, start_ns: int) -> Timings:
 class Client:
     """A connection to one sidecar, safe to share between threads (one channel per thread).
 
-    ``transport``: "shm" (default) or "uds". ``timeout``: the default deadline of a call, in
-    seconds. ``spin_us``: how long a caller spins for a response before parking (spinning
+    ``transport``: "shm" (default), "uds" or "grpc"; for "grpc", ``name`` is the sidecar's
+    grpc target (``host:port`` or ``unix:/path``, see ``kalos serve --grpc``) and ``tls`` a
+    :class:`kalos.Tls` to secure it (None: plaintext). ``timeout``: the default deadline of a
+    call, in seconds. ``spin_us``: how long a caller spins for a response before parking (spinning
     pays when the sidecar has its own core; parking costs a ~25 µs futex wake).
     ``gpu_results``: map each channel's GPU result buffer (a cuda sidecar, shm transport, torch
     installed) so that :meth:`search_gpu` can hand results over as torch tensors.
@@ -240,6 +242,7 @@ class Client:
         connector: Callable[[], Transport] | None = None,
         on_unavailable: str = "raise",
         hung_after: float | None = None,
+        tls: Tls | None = None,
     ) -> None:
         if on_unavailable not in ("raise", "degrade"):
             raise ConfigError(
@@ -263,6 +266,7 @@ class Client:
                     spin_us=spin_us,
                     gpu_results=gpu_results,
                     hung_after=hung_after,
+                    tls=tls,
                 )
 
             self._open = open_channel
@@ -1149,9 +1153,11 @@ def connect(
     gpu_results: bool = False,
     on_unavailable: str = "raise",
     hung_after: float | None = None,
+    tls: Tls | None = None,
 ) -> Client:
     """Connects to the running sidecar ``name``. Raises ConnectError when none runs.
-    ``on_unavailable`` and ``hung_after``: see :class:`Client`."""
+    ``on_unavailable`` and ``hung_after``: see :class:`Client`. Over grpc (another host),
+    ``name`` is the target: ``connect("10.0.0.5:7440", transport="grpc", tls=kalos.Tls(...))``."""
     return Client(
         name,
         transport=transport,
@@ -1162,4 +1168,5 @@ def connect(
         gpu_results=gpu_results,
         on_unavailable=on_unavailable,
         hung_after=hung_after,
+        tls=tls,
     )

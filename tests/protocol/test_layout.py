@@ -80,6 +80,7 @@ GOLDEN_STRUCTS = {
     "RESP_FIELDS": ("<IIQQQQ", 40),
     "REQ_FRAME": ("<QIIQQQ", 40),
     "RESP_FRAME": ("<QIIQQQQ", 48),
+    "GRPC_REQ_FRAME": ("<QIIQQ", 32),
 }
 
 # Each struct's fields, in order, by the offset constant of each (None: no constant).
@@ -176,6 +177,8 @@ def test_structs_pack_each_field_at_its_offset(name: str) -> None:
 def test_frames_are_seq_then_the_channel_header_fields() -> None:
     assert L.REQ_FRAME.format == "<Q" + L.REQ_FIELDS.format[1:]
     assert L.RESP_FRAME.format == "<Q" + L.RESP_FIELDS.format[1:]
+    # grpc: seq, op, flags, body_len as over uds, then the response limit (no client clocks)
+    assert L.GRPC_REQ_FRAME.format == L.REQ_FRAME.format[:-2] + "Q"
 
 
 def test_channel_size_is_header_page_then_two_arenas() -> None:

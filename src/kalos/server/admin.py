@@ -266,10 +266,12 @@ class SidecarCollector:
         for reason in ("starting", "busy"):
             refusals.add_metric((reason,), rejected.get(reason, 0))
         yield refusals
+        grpc = getattr(sc, "grpc", None)
         yield CounterMetricFamily(
             "kalos_client_connects",
-            "Handshakes accepted (each client thread connects once; a reconnect counts again)",
-            value=listener.connects if listener else 0,
+            "Handshakes accepted (each client thread connects once; a reconnect counts again; "
+            "grpc Hello calls included)",
+            value=(listener.connects if listener else 0) + (grpc.connects if grpc else 0),
         )
         yield CounterMetricFamily(
             "kalos_client_disconnects",
