@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from kalos.bench.common import print_table, summarize, write_result
+from kalos.bench.plots import plot_result
 from kalos.testing import isolated_sidecar
 
 SCENARIO = "transport"
@@ -227,6 +228,13 @@ def run(args: argparse.Namespace) -> int:
     }
     path = write_result(SCENARIO, args.machine, params, rows, args.out, ratios=ratios)
     print(f"wrote {path}")
+    groups: dict[str, dict[str, np.ndarray]] = {}
+    for key, ns in raw.items():
+        level, system = key.split("-", 1)
+        groups.setdefault(f"{level.removeprefix('c')} client(s)", {})[system] = ns
+    png = plot_result(path, groups)
+    if png:
+        print(f"wrote {png}")
     if args.samples:
         np.savez_compressed(path.removesuffix(".json") + ".npz", **raw)  # type: ignore[arg-type]
         print(f"wrote {path.removesuffix('.json')}.npz")
