@@ -4,7 +4,9 @@
 each with its own socket directory, stopped when the test ends. ``inproc_client`` builds a
 client over the in-process transport: the same encoders, dispatcher and store, no processes.
 ``backend`` is parametrized over every transport ("inproc", then each real one), so a client
-test written once runs on all of them.
+test written once runs on all of them. A sidecar started by a test of the grpc transport also
+listens for grpc on a free loopback port (``RunningSidecar.connect(transport="grpc")`` finds
+it); the grpc cases skip where grpcio is not installed.
 
 Deadlines are generous (``TIMEOUT``): the suite runs on a loaded 2-core machine, and a test
 is not timed.
@@ -32,7 +34,7 @@ from kalos.transport.inproc import InprocTransport
 
 TIMEOUT = 60.0  # seconds: the default deadline of a call in the tests
 DIM = 8
-TRANSPORTS = ("inproc", "shm", "uds")
+TRANSPORTS = ("inproc", "shm", "uds", "grpc")
 REAL_TRANSPORTS = ("shm", "uds")
 
 
@@ -84,16 +86,27 @@ def _task_state(pid: int, tid: str) -> str:
         return "T"
 
 
+GRPC_LOOPBACK = ("--grpc", "127.0.0.1:0")
+
+
 @pytest.fixture
-def sidecar() -> Iterator[Callable[..., RunningSidecar]]:
-    """Factory: ``sidecar(dim=8, metric="ip", name="test")`` starts a real sidecar process."""
+def sidecar(request: pytest.FixtureRequest) -> Iterator[Callable[..., RunningSidecar]]:
+    """Factory: ``sidecar(dim=8, metric="ip", name="test")`` starts a real sidecar process
+    (with a grpc listener in a test of the grpc transport)."""
+    grpc = "transport" in request.fixturenames and request.getfixturevalue("transport") == "grpc"
     with contextlib.ExitStack() as stack:
 
         def start(
-            dim: int = DIM, metric: str = "ip", name: str = "test", **kwargs: object
+            dim: int = DIM,
+            metric: str = "ip",
+            name: str = "test",
+            extra_args: tuple[str, ...] = (),
+            **kwargs: object,
         ) -> RunningSidecar:
+            if grpc and "--grpc" not in extra_args:
+                extra_args = (*extra_args, *GRPC_LOOPBACK)
             return stack.enter_context(
-                isolated_sidecar(dim=dim, metric=metric, name=name, **kwargs)  # type: ignore[arg-type]
+                isolated_sidecar(dim=dim, metric=metric, name=name, extra_args=extra_args, **kwargs)  # type: ignore[arg-type]
             )
 
         yield start
@@ -127,6 +140,8 @@ class Backend:
 
 @pytest.fixture(params=TRANSPORTS)
 def transport(request: pytest.FixtureRequest) -> str:
+    if request.param == "grpc":
+        pytest.importorskip("grpc")
     return request.param
 
 
@@ -152,9 +167,13 @@ def backend(
 
         else:
             running = sidecar(dim=dim, metric=metric)
+            # grpc: the listener's address, looked up once
+            target = running.grpc_target() if transport == "grpc" else None
 
             def connect(**kw: object) -> kalos.Client:
                 kw.setdefault("timeout", TIMEOUT)
+                if target is not None:
+                    return kalos.connect(target, transport="grpc", **kw)  # type: ignore[arg-type]
                 return running.connect(transport=transport, **kw)  # type: ignore[union-attr]
 
         def tracked(**kw: object) -> kalos.Client:

@@ -1,6 +1,6 @@
-"""The client's semantics, over every transport: in-process first, then shm and uds.
+"""The client's semantics, over every transport: in-process first, then shm, uds and grpc.
 
-Each test gets a fresh store (a new sidecar process for shm and uds) from the ``backend``
+Each test gets a fresh store (a new sidecar process for shm, uds and grpc) from the ``backend``
 fixture of conftest.py; ``client`` is one client of a fresh ip store of dimension DIM.
 """
 

@@ -31,9 +31,9 @@ def test_all_lists_the_public_api() -> None:
     expected = {
         "PROTOCOL_VERSION", "AsyncClient", "Client", "ClosedError", "ConfigError", "Conflict",
         "ConnectError", "InvalidRequest", "KalosError", "NotFound", "PayloadTooLarge",
-        "ProtocolMismatch", "RequestTimeout", "Scope", "SearchResult", "ServerError",
-        "SidecarGone", "StoreError", "Timings", "TransportError", "__version__", "connect",
-        "connect_async",
+        "ProtocolMismatch", "Recall", "RecallContext", "RecallParts", "RequestTimeout", "Scope",
+        "SearchResult", "ServerError", "SidecarGone", "StoreError", "Timings", "Tls",
+        "TransportError", "__version__", "connect", "connect_async",
     }  # fmt: skip
     assert set(kalos.__all__) == expected
 

@@ -1,6 +1,6 @@
 """Sessions, agent state, event logs and forget through the client, over every transport.
 
-Each test gets a fresh store (a new sidecar process for shm and uds) from the ``backend``
+Each test gets a fresh store (a new sidecar process for shm, uds and grpc) from the ``backend``
 fixture of conftest.py. Limits, the tokenizer and TTL have tests of their own below: limits
 and the tokenizer need sidecar flags, TTL an injected clock (in-process only).
 """
@@ -475,6 +475,28 @@ def test_the_sidecar_tokenizes_turns_without_ids(
     ctx = client.context("s", 100)
     assert ctx.tokens.tolist() == [1, 2, 3, 4, 5, 6, 7, 0, 7, 42, 43]
     assert ctx.turns[1] == ("assistant", "fine , fine")
+
+
+def test_a_tokenizer_files_padding_and_truncation_are_ignored(
+    sidecar: Callable[..., RunningSidecar], tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """Embedding models ship tokenizer.json files that pad (and truncate) every text to a
+    fixed length: a turn's ids must still be its text's ids, all of them, no padding."""
+    tokenizers = pytest.importorskip("tokenizers")
+    words = ["[PAD]", "[UNK]", "hello", "world"]
+    tok = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]")
+    )
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.enable_padding(length=8, pad_id=0, pad_token="[PAD]")
+    tok.enable_truncation(max_length=8)
+    path = str(tmp_path / "tokenizer.json")
+    tok.save(path)
+    assert len(tokenizers.Tokenizer.from_file(path).encode("hello").ids) == 8  # the file pads
+    client = sidecar(extra_args=("--tokenizer", path)).connect(timeout=TIMEOUT)
+    assert client.append_turn("s", "user", "hello world") == TurnAdded(1, 2)
+    client.append_turn("s", "user", " ".join(["hello"] * 12))  # longer than the truncation
+    assert client.context("s", 100).tokens.tolist() == [2, 3] + [2] * 12
 
 
 def test_a_missing_tokenizer_file_stops_the_start(

@@ -7,6 +7,8 @@ Start a sidecar with ``kalos serve --name NAME --dim D``, then from the inferenc
     client.add(vectors, ids, payloads=texts, scope=kalos.Scope("acme", "user-1"))
     hits = client.search(query, k=10, scope=kalos.Scope("acme"))
     hits.ids, hits.scores, hits.payloads   # numpy views into the channel, then payloads
+    r = client.recall("chat-42", query, k=5, max_tokens=4096)   # context + memories
+    r.token_ids                            # int32 [system] + [memories] + [turns]
 
 Results are views valid until the same thread's next call; ``copy=True`` gives owned arrays.
 """
@@ -14,7 +16,15 @@ Results are views valid until the same thread's next call; ``copy=True`` gives o
 __version__ = "0.1.0"
 
 from kalos.async_client import AsyncClient, connect_async
-from kalos.client import Client, SearchResult, Timings, connect
+from kalos.client import (
+    Client,
+    Recall,
+    RecallContext,
+    RecallParts,
+    SearchResult,
+    Timings,
+    connect,
+)
 from kalos.errors import (
     ClosedError,
     ConfigError,
@@ -32,6 +42,7 @@ from kalos.errors import (
     TransportError,
 )
 from kalos.protocol import PROTOCOL_VERSION, Scope
+from kalos.transport import Tls
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -46,6 +57,9 @@ __all__ = [
     "NotFound",
     "PayloadTooLarge",
     "ProtocolMismatch",
+    "Recall",
+    "RecallContext",
+    "RecallParts",
     "RequestTimeout",
     "Scope",
     "SearchResult",
@@ -53,6 +67,7 @@ __all__ = [
     "SidecarGone",
     "StoreError",
     "Timings",
+    "Tls",
     "TransportError",
     "__version__",
     "connect",

@@ -36,6 +36,10 @@ def _serve(args: argparse.Namespace) -> int:
         if args.no_admin
         else (DEFAULT_ADMIN_PORT if args.admin_port is None else args.admin_port),
         admin_port_strict=args.admin_port is not None,
+        grpc=tuple(args.grpc),
+        grpc_tls_cert=args.grpc_tls_cert,
+        grpc_tls_key=args.grpc_tls_key,
+        grpc_tls_client_ca=args.grpc_tls_client_ca,
         limits=Limits(
             max_turn_tokens=args.max_turn_tokens,
             max_turn_bytes=args.max_turn_bytes,
@@ -158,14 +162,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--no-admin", action="store_true", help="no admin HTTP endpoint")
     serve.add_argument(
+        "--grpc",
+        action="append",
+        default=[],
+        metavar="ADDR",
+        help="also serve the grpc transport on ADDR (host:port, [::]:port or unix:/path; "
+        "port 0: any free port, shown by kalos status as grpc; repeatable; needs "
+        "pip install 'kalos[grpc]'). Without TLS, listen on trusted networks only",
+    )
+    serve.add_argument("--grpc-tls-cert", default=None, help="PEM certificate chain: grpc TLS")
+    serve.add_argument("--grpc-tls-key", default=None, help="PEM private key of --grpc-tls-cert")
+    serve.add_argument(
+        "--grpc-tls-client-ca",
+        default=None,
+        help="PEM CA: grpc clients must present a certificate it signed (mutual TLS)",
+    )
+    serve.add_argument(
         "--tenant-max-items", type=int, default=None, help="memories per tenant (default: no limit)"
     )
     serve.add_argument(
         "--tenant-max-bytes",
         type=int,
         default=None,
-        help="bytes of memories per tenant: vectors at 4 bytes a dimension plus payloads "
-        "(default: no limit)",
+        help="bytes of memories per tenant: vectors at 4 bytes a dimension plus payloads and "
+        "token ids (4 bytes each) (default: no limit)",
     )
     serve.set_defaults(func=_serve)
 
@@ -175,7 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--timeout", type=float, default=2.0)
     status.set_defaults(func=_status)
 
-    demo = sub.add_parser("demo", help="load a synthetic corpus and recall through a sidecar")
+    demo = sub.add_parser(
+        "demo", help="a chat assistant's memory step on real text: kalos vs a Redis pipeline"
+    )
     from kalos.demo import add_arguments
 
     add_arguments(demo)

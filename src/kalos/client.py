@@ -29,6 +29,7 @@ from kalos.errors import (
     ConnectError,
     InvalidRequest,
     PayloadTooLarge,
+    ProtocolMismatch,
     RequestTimeout,
     SidecarGone,
 )
@@ -37,7 +38,7 @@ from kalos.protocol import layout as L
 from kalos.protocol import messages as M
 from kalos.protocol.codes import Op, error_for_status
 from kalos.protocol.messages import Event, Scope, SessionInfo, StateValue
-from kalos.transport import Transport, open_transport
+from kalos.transport import Tls, Transport, open_transport
 from kalos.transport.base import Response
 
 _monotonic_ns = time.monotonic_ns
@@ -135,6 +136,50 @@ class Context(NamedTuple):
     degraded: bool = False
 
 
+class RecallContext(NamedTuple):
+    """The session part of a :class:`Recall`: what of the session went into the token ids."""
+
+    turns: int  # conversation turns included (the newest ones), not counting the system prompt
+    tokens: int  # their token ids (the last ``tokens`` of ``Recall.token_ids``)
+    system: bool  # whether the pinned system prompt is included (its ids come first)
+    system_tokens: int  # its token ids (0 when not included)
+
+
+class RecallParts(NamedTuple):
+    """Where a recall's time went inside the sidecar, in µs (measured there)."""
+
+    context: float  # reading the session: its system prompt and the turn window
+    search: float  # the vector search
+    assemble: float  # choosing the memories, gathering and writing the token ids and texts
+
+
+class Recall(NamedTuple):
+    """The memory step of one LLM request: model-ready token ids, and what went into them.
+
+    ``token_ids``: [system prompt if pinned and it fits] + [the included memories' token ids,
+    best hit first, each whole] + [the session's newest turns, oldest first]; int32, a view
+    into the channel (numpy) or, with ``device="cuda"``, a torch int32 CUDA tensor over the
+    channel's GPU buffer; valid until this thread's next call unless ``copy=True``.
+    ``ids`` [k] int64 and ``scores`` [k] float32: the top-k memories, -1 (and ±inf) where
+    fewer matched; views unless ``copy=True``. ``texts``: the payload of each hit (``ids``
+    other than -1, in hit order): str for text, bytes for a bytes payload, None for none.
+    ``memory_tokens`` [k] int32: token ids each hit put into ``token_ids`` (0: it has none,
+    it did not fit, or no hit). ``context``: the session part. ``timings``: the round trip,
+    as for every call; ``parts``: the sidecar's time per part. ``degraded``: the sidecar was
+    unavailable (``on_unavailable="degrade"``): no tokens, no hits.
+    """
+
+    token_ids: Any
+    ids: np.ndarray
+    scores: np.ndarray
+    texts: list[Payload]
+    context: RecallContext
+    timings: Timings
+    parts: RecallParts
+    degraded: bool
+    memory_tokens: np.ndarray
+
+
 class TurnAdded(NamedTuple):
     """What :meth:`Client.append_turn` did: turns now in the session, token ids of the turn."""
 
@@ -163,8 +208,10 @@ def _timings(resp: Response, start_ns: int) -> Timings:
 class Client:
     """A connection to one sidecar, safe to share between threads (one channel per thread).
 
-    ``transport``: "shm" (default) or "uds". ``timeout``: the default deadline of a call, in
-    seconds. ``spin_us``: how long a caller spins for a response before parking (spinning
+    ``transport``: "shm" (default), "uds" or "grpc"; for "grpc", ``name`` is the sidecar's
+    grpc target (``host:port`` or ``unix:/path``, see ``kalos serve --grpc``) and ``tls`` a
+    :class:`kalos.Tls` to secure it (None: plaintext). ``timeout``: the default deadline of a
+    call, in seconds. ``spin_us``: how long a caller spins for a response before parking (spinning
     pays when the sidecar has its own core; parking costs a ~25 µs futex wake).
     ``gpu_results``: map each channel's GPU result buffer (a cuda sidecar, shm transport, torch
     installed) so that :meth:`search_gpu` can hand results over as torch tensors.
@@ -195,6 +242,7 @@ class Client:
         connector: Callable[[], Transport] | None = None,
         on_unavailable: str = "raise",
         hung_after: float | None = None,
+        tls: Tls | None = None,
     ) -> None:
         if on_unavailable not in ("raise", "degrade"):
             raise ConfigError(
@@ -218,6 +266,7 @@ class Client:
                     spin_us=spin_us,
                     gpu_results=gpu_results,
                     hung_after=hung_after,
+                    tls=tls,
                 )
 
             self._open = open_channel
@@ -225,6 +274,7 @@ class Client:
             given = connector
             self._open = lambda budget: given()
         self._local = threading.local()
+        self._recording = 0  # threads that record stage stamps (record_stages)
         # Weak: a thread that ends drops its channel (its thread-local goes), and the
         # channel's socket closes with it, so the sidecar frees the channel.
         self._transports: weakref.WeakSet[Transport] = weakref.WeakSet()
@@ -257,6 +307,16 @@ class Client:
                 self.reconnects += 1
         return new
 
+    @staticmethod
+    def _needs(t: Transport, minor: int, what: str) -> None:
+        """ProtocolMismatch unless the channel's negotiated protocol has ``minor`` (1.x)."""
+        proto = t.server_info.get("protocol")  # the in-process transport has none: current
+        if proto is not None and (int(proto[0]), int(proto[1])) < (1, minor):
+            raise ProtocolMismatch(
+                f"{what} needs protocol 1.{minor}; the sidecar speaks {proto[0]}.{proto[1]}: "
+                "upgrade the sidecar"
+            )
+
     def _forget(self, t: Transport) -> None:
         t.close()
         with self._lock:
@@ -282,6 +342,24 @@ class Client:
         """Timings of this thread's last completed call."""
         return getattr(self._local, "timings", None)
 
+    def record_stages(self, on: bool = True) -> None:
+        """Whether this thread's calls keep the stamps of :attr:`last_stamps` (benchmarks'
+        per-stage breakdown). While no thread records, a call pays one integer test; turn it
+        off before the thread ends, or every call keeps paying a thread-local lookup."""
+        was = getattr(self._local, "stamps", None) is not None
+        if on != was:
+            self._local.stamps = (0, 0, 0) if on else None
+            with self._lock:
+                self._recording += 1 if on else -1
+
+    @property
+    def last_stamps(self) -> tuple[int, int, int] | None:
+        """``(start_ns, sent_ns, received_ns)`` of this thread's last call, on the
+        ``time.monotonic_ns()`` clock, while it records (:meth:`record_stages`): the call
+        began (before validating and encoding), its request was published (0: the transport
+        does not say), its response was seen (before decoding). None when not recording."""
+        return getattr(self._local, "stamps", None)
+
     def _call(self, t: Transport, op: int, flags: int, n: int, timeout: float | None, start: int):
         # The deadline counts from the call's start: a reconnect before it used part of it.
         left = (self.timeout if timeout is None else timeout) - (_monotonic_ns() - start) * 1e-9
@@ -289,6 +367,8 @@ class Client:
             raise RequestTimeout("the call's deadline passed while connecting to the sidecar")
         resp = t.request(op, flags, n, timeout=left)
         self._local.timings = _timings(resp, start)
+        if self._recording and getattr(self._local, "stamps", None) is not None:
+            self._local.stamps = (start, t.last_sent_ns(), _monotonic_ns())
         if resp.status != codes.Status.OK:
             raise error_for_status(resp.status, M.decode_text(resp.body, len(resp.body)))
         return resp
@@ -432,14 +512,19 @@ class Client:
         payloads: Sequence[Payload] | Payload = None,
         *,
         scope: Scope | None = None,
+        tokens: Sequence[np.ndarray | Sequence[int] | None] | np.ndarray | None = None,
         timeout: float | None = None,
     ) -> int:
         """Adds (upserts) items; returns how many were new (the rest replaced existing ids).
 
         ``vectors``: [n, dim] (or [dim] for one item); ``ids``: n int64 ids of your choosing
-        (not -1); ``payloads``: n texts or bytes (or None). Every item gets ``scope``. Batches
-        larger than the channel arena are sent in chunks, each acknowledged on its own: if a
-        chunk fails, the chunks before it stay added.
+        (not -1); ``payloads``: n texts or bytes (or None). Every item gets ``scope``.
+        ``tokens``: n token id lists (int32 range; one list for a single item), an entry None
+        or ``tokens`` None: a text payload gets its token ids from the sidecar's
+        ``--tokenizer`` when it has one, else the item has none. :meth:`recall` puts a hit's
+        token ids into the model's input. Batches larger than the channel arena are sent in
+        chunks, each acknowledged on its own: if a chunk fails, the chunks before it stay
+        added.
         """
         v = np.asarray(vectors)
         if v.ndim == 1:
@@ -456,14 +541,24 @@ class Client:
         if id_arr.shape != (n,):
             raise InvalidRequest(f"{len(id_arr)} ids for {n} vectors")
         kinds, blobs = _encode_payloads(payloads, n)
+        token_lists = _token_lists(tokens, n)
         if n == 0:
             return 0
         sb = scope_bytes(scope)
         t = self._channel(timeout)
         capacity = len(t.request_buffer)
-        fixed, per_item = M.add_item_sizes(
-            self.dim, v.itemsize, np.fromiter(map(len, blobs), np.int64, n), sb
+        token_lens = (
+            None
+            if token_lists is None
+            else np.array([0 if x is None else len(x) for x in token_lists], np.int64)
         )
+        fixed, per_item = M.add_item_sizes(
+            self.dim, v.itemsize, np.fromiter(map(len, blobs), np.int64, n), sb, token_lens
+        )
+        flags = 0
+        if token_lists is not None:  # a 1.0 sidecar would read the token ids as payload bytes
+            self._needs(t, 1, "add(tokens=...)")
+            flags = codes.ADD_HAS_TOKENS
         if int(per_item.max()) + fixed > capacity:
             raise PayloadTooLarge(
                 f"an item of {int(per_item.max())} bytes does not fit the {capacity}-byte arena"
@@ -476,8 +571,11 @@ class Client:
             j = int(np.searchsorted(ends, base + capacity - fixed, side="right"))
             start = _monotonic_ns()
             t = self._channel(timeout)
-            size = M.encode_add(t.request_buffer, id_arr[i:j], v[i:j], kinds[i:j], blobs[i:j], sb)
-            resp = self._call(t, Op.ADD, 0, size, timeout, start)
+            size = M.encode_add(
+                t.request_buffer, id_arr[i:j], v[i:j], kinds[i:j], blobs[i:j], sb,
+                None if token_lists is None else token_lists[i:j],
+            )  # fmt: skip
+            resp = self._call(t, Op.ADD, flags, size, timeout, start)
             added += M.decode_counts(resp.body, len(resp.body))[0]
             i = j
         return added
@@ -588,6 +686,146 @@ class Client:
             tokens = tokens.copy()
         window = None if meta is None or text is None else Turns(meta, text)
         return Context(tokens, window, self._local.timings, system)
+
+    def recall(
+        self,
+        session: str,
+        query: Any,
+        *,
+        k: int = 5,
+        max_tokens: int,
+        max_turns: int | None = None,
+        memory_tokens: int | None = None,
+        scope: Scope | None = None,
+        device: str | None = None,
+        copy: bool = False,
+        timeout: float | None = None,
+    ) -> Recall:
+        """The whole memory step of one LLM request in one round trip: ``session``'s context
+        and the top-``k`` memories for ``query``, assembled into model-ready token ids.
+
+        ``query``: a vector of the sidecar's dimension (numpy float32/float16, or a torch
+        tensor: a CUDA one is copied to the host, a few hundred bytes). The token ids are
+        [system prompt] + [memories, best hit first] + [turns, oldest first], at most
+        ``max_tokens`` in all: the pinned system prompt first when it fits; then the
+        memories, each whole or not at all (a hit that does not fit is dropped and a later,
+        shorter one may still fit), within what is left and within ``memory_tokens`` when
+        given; then the newest turns that fit what remains (a contiguous suffix, at most
+        ``max_turns``). Memories come before turns: pass ``memory_tokens`` to keep room for
+        the conversation. A hit without token ids (see :meth:`add`) is in ``texts`` only.
+
+        ``scope``: the memory filter, as in :meth:`search`, its tenant defaulting to the
+        session's tenant (a tenant's session never recalls another tenant's memories); its
+        tenant and user must also match the session's (NotFound otherwise, as for an unknown
+        or expired session). ``device="cuda"``: the token ids come back as a torch int32
+        tensor over this thread's GPU result buffer (needs ``gpu_results=True`` and a cuda
+        sidecar; ``max_tokens`` at most the buffer's token slots, 131,072), no copy,
+        complete when this returns. The arrays are views valid until this thread's next
+        call; ``copy=True`` owns them (a clone on the GPU). With ``on_unavailable="degrade"``
+        an unavailable sidecar gives an empty Recall with ``degraded=True``.
+        """
+        start = _monotonic_ns()
+        if type(session) is not str or not session:
+            raise InvalidRequest("a session id must be a non-empty str")
+        if not isinstance(k, (int, np.integer)) or not 1 <= k <= codes.MAX_K:
+            raise InvalidRequest(f"k must be an integer between 1 and {codes.MAX_K}, got {k!r}")
+        _check_count("max_tokens", max_tokens)
+        if max_turns is not None:
+            _check_count("max_turns", max_turns)
+        if memory_tokens is not None:
+            _check_count("memory_tokens", memory_tokens)
+        q = self._recall_query(query)
+        sb = scope_bytes(scope)
+        on_gpu = _on_gpu(device)
+        flags = int(codes.RecallFlag.GPU_RESULT) if on_gpu else 0
+        try:
+            t = self._channel(timeout)
+            self._needs(t, 1, "recall")
+            gpu = t.gpu if on_gpu else None
+            if on_gpu:
+                if gpu is None:
+                    raise ConfigError('recall(device="cuda") needs kalos.connect(..., '
+                                      "gpu_results=True) to a cuda sidecar")  # fmt: skip
+                if device != "cuda" and device != f"cuda:{gpu.device}":
+                    raise ConfigError(
+                        f"this channel's GPU buffer is on cuda:{gpu.device}, not {device}"
+                    )
+                if max_tokens > gpu.max_tokens:
+                    raise InvalidRequest(
+                        f'recall(device="cuda") takes max_tokens <= {gpu.max_tokens} (the GPU '
+                        f"buffer's token slots), got {max_tokens}"
+                    )
+            n = M.encode_recall(
+                t.request_buffer, session.encode(), q, int(k), max_tokens,
+                _NO_LIMIT if max_turns is None else max_turns,
+                _NO_LIMIT if memory_tokens is None else memory_tokens, sb,
+            )  # fmt: skip
+            resp = self._call(t, Op.RECALL, flags, n, timeout, start)
+        except _UNAVAILABLE:
+            if not self._degrade:
+                raise
+            return self._no_recall(int(k), on_gpu, start)
+        r = M.decode_recall_response(resp.body, len(resp.body))
+        ids, scores, counts = r.ids, r.scores, r.memory_tokens
+        if gpu is not None:
+            token_ids: Any = gpu.tokens[: r.n_tokens]
+            if copy:
+                token_ids = token_ids.clone()
+        else:
+            token_ids = r.tokens
+            if copy:
+                token_ids = token_ids.copy()
+        if copy:
+            ids, scores, counts = ids.copy(), scores.copy(), counts.copy()
+        return Recall(
+            token_ids,
+            ids,
+            scores,
+            r.payloads[: r.n_hits],
+            RecallContext(
+                r.n_turns,
+                r.turn_tokens,
+                bool(r.flags & codes.RecallResponseFlag.SYSTEM),
+                r.system_tokens,
+            ),
+            self._local.timings,
+            RecallParts(r.context_ns / 1e3, r.search_ns / 1e3, r.assemble_ns / 1e3),
+            False,
+            counts,
+        )
+
+    def _recall_query(self, query: Any) -> np.ndarray:
+        """A recall's query as a host array [1, dim] (a torch tensor is moved to the host)."""
+        if hasattr(query, "detach"):  # torch, without importing it
+            q = query.detach()
+            if str(q.dtype) not in ("torch.float32", "torch.float16"):
+                q = q.float()
+            query = q.cpu().numpy()
+        q = self._host_queries(query)
+        if q.shape[0] != 1:
+            raise InvalidRequest(f"recall takes one query vector, got shape {np.shape(query)}")
+        return q
+
+    def _no_recall(self, k: int, on_gpu: bool, start: int) -> Recall:
+        """The degraded answer of :meth:`recall`: no tokens, no hits, owned."""
+        worst = np.inf if self._info.get("metric") == "l2" else -np.inf
+        if on_gpu:
+            import torch
+
+            token_ids: Any = torch.empty(0, dtype=torch.int32, device="cuda")
+        else:
+            token_ids = np.empty(0, np.int32)
+        return Recall(
+            token_ids,
+            np.full(k, -1, np.int64),
+            np.full(k, worst, np.float32),
+            [],
+            RecallContext(0, 0, False, 0),
+            Timings(0.0, 0.0, 0.0, (_monotonic_ns() - start) / 1e3),
+            RecallParts(0.0, 0.0, 0.0),
+            True,
+            np.zeros(k, np.int32),
+        )
 
     def sessions(
         self, scope: Scope | None = None, *, timeout: float | None = None
@@ -834,6 +1072,40 @@ def _token_ids(tokens: np.ndarray | Sequence[int]) -> np.ndarray:
     return np.ascontiguousarray(ids)
 
 
+def _check_count(name: str, value: object) -> None:
+    if not isinstance(value, (int, np.integer)) or not 0 <= value < _NO_LIMIT:
+        raise InvalidRequest(f"{name} must be an integer between 0 and {_NO_LIMIT - 1}")
+
+
+def _on_gpu(device: str | None) -> bool:
+    """Whether a recall's ``device`` asks for the token ids on the GPU."""
+    if device is None or device == "cpu":
+        return False
+    if isinstance(device, str) and (device == "cuda" or device.startswith("cuda:")):
+        return True
+    raise InvalidRequest(f'device must be None, "cpu" or "cuda", not {device!r}')
+
+
+def _token_lists(
+    tokens: Sequence[np.ndarray | Sequence[int] | None] | np.ndarray | None, n: int
+) -> list[np.ndarray | None] | None:
+    """Per item int32 token ids or None, from what :meth:`Client.add` accepts."""
+    if tokens is None:
+        return None
+    if n == 1 and (
+        (isinstance(tokens, np.ndarray) and tokens.ndim == 1)
+        or (
+            isinstance(tokens, (list, tuple))
+            and tokens
+            and isinstance(tokens[0], (int, np.integer))
+        )
+    ):
+        tokens = [tokens]  # one item's token ids
+    if isinstance(tokens, (str, bytes)) or len(tokens) != n:
+        raise InvalidRequest(f"tokens must be one list of token ids per item ({n} items)")
+    return [None if t is None else _token_ids(t) for t in tokens]
+
+
 def _key_bytes(key: str) -> bytes:
     if not isinstance(key, str) or not key:
         raise InvalidRequest("a state key must be a non-empty str")
@@ -884,9 +1156,11 @@ def connect(
     gpu_results: bool = False,
     on_unavailable: str = "raise",
     hung_after: float | None = None,
+    tls: Tls | None = None,
 ) -> Client:
     """Connects to the running sidecar ``name``. Raises ConnectError when none runs.
-    ``on_unavailable`` and ``hung_after``: see :class:`Client`."""
+    ``on_unavailable`` and ``hung_after``: see :class:`Client`. Over grpc (another host),
+    ``name`` is the target: ``connect("10.0.0.5:7440", transport="grpc", tls=kalos.Tls(...))``."""
     return Client(
         name,
         transport=transport,
@@ -897,4 +1171,5 @@ def connect(
         gpu_results=gpu_results,
         on_unavailable=on_unavailable,
         hung_after=hung_after,
+        tls=tls,
     )

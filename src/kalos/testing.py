@@ -2,7 +2,8 @@
 
 ``isolated_sidecar(...)`` starts a real sidecar process (``python -m kalos serve``) with its
 own private socket directory, waits until it accepts clients (with ``--data-dir``: until it
-finished recovering), and stops it (SIGTERM, then SIGKILL) on exit.
+finished recovering; with ``--grpc``: until its grpc listeners are up too), and stops it
+(SIGTERM, then SIGKILL) on exit.
 """
 
 from __future__ import annotations
@@ -33,9 +34,24 @@ class RunningSidecar:
         return socket_path(self.name, self.runtime_dir)
 
     def connect(self, **kwargs):  # -> kalos.Client
+        """A client of this sidecar; ``transport="grpc"`` connects to its first grpc listener
+        (the sidecar must have been started with ``--grpc ADDR``)."""
         from kalos.client import connect
 
+        if kwargs.get("transport") == "grpc":
+            return connect(self.grpc_target(), **kwargs)
         return connect(self.name, runtime_dir=self.runtime_dir, **kwargs)
+
+    def grpc_target(self, index: int = 0) -> str:
+        """The address of its ``index``-th grpc listener, as bound (port 0 resolved), read
+        from its STATS over uds."""
+        from kalos.client import connect
+
+        with connect(self.name, runtime_dir=self.runtime_dir, transport="uds") as c:
+            addresses = c.stats().get("grpc") or []
+        if len(addresses) <= index:
+            raise ConnectError(f"the sidecar {self.name!r} has no grpc listener {index}")
+        return str(addresses[index])
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
         """Signals the sidecar and waits for it; returns its exit code."""
@@ -129,8 +145,8 @@ def isolated_sidecar(
         sidecar = RunningSidecar(name, runtime_dir, proc)
         try:
             wait_for_socket(sidecar.socket, proc)
-            if "--data-dir" in extra_args:
-                wait_ready(sidecar.socket, proc)
+            if "--data-dir" in extra_args or "--grpc" in extra_args:
+                wait_ready(sidecar.socket, proc)  # recovered; grpc listening
             yield sidecar
         finally:
             if proc.poll() is None:

@@ -40,6 +40,7 @@ def test_op_codes_after_the_core_ones() -> None:
         "LOG_EVENT": 15,
         "EVENTS": 16,
         "FORGET": 17,
+        "RECALL": 18,
     }
 
 
@@ -58,7 +59,10 @@ def test_write_ops_are_exactly_the_mutating_ones() -> None:
         Op.ADD, Op.REMOVE, Op.APPEND_TURN, Op.TRIM, Op.DELETE_SESSION, Op.STATE_PUT,
         Op.STATE_DELETE, Op.STATE_CAS, Op.LOG_EVENT, Op.FORGET,
     }  # fmt: skip
-    reads = {Op.PING, Op.STATS, Op.SEARCH, Op.CONTEXT, Op.SESSIONS, Op.STATE_GET, Op.EVENTS}
+    reads = {
+        Op.PING, Op.STATS, Op.SEARCH, Op.CONTEXT, Op.SESSIONS, Op.STATE_GET, Op.EVENTS,
+        Op.RECALL,
+    }  # fmt: skip
     assert reads | WRITE_OPS == set(Op)
 
 

@@ -80,6 +80,7 @@ GOLDEN_STRUCTS = {
     "RESP_FIELDS": ("<IIQQQQ", 40),
     "REQ_FRAME": ("<QIIQQQ", 40),
     "RESP_FRAME": ("<QIIQQQQ", 48),
+    "GRPC_REQ_FRAME": ("<QIIQQ", 32),
 }
 
 # Each struct's fields, in order, by the offset constant of each (None: no constant).
@@ -176,6 +177,8 @@ def test_structs_pack_each_field_at_its_offset(name: str) -> None:
 def test_frames_are_seq_then_the_channel_header_fields() -> None:
     assert L.REQ_FRAME.format == "<Q" + L.REQ_FIELDS.format[1:]
     assert L.RESP_FRAME.format == "<Q" + L.RESP_FIELDS.format[1:]
+    # grpc: seq, op, flags, body_len as over uds, then the response limit (no client clocks)
+    assert L.GRPC_REQ_FRAME.format == L.REQ_FRAME.format[:-2] + "Q"
 
 
 def test_channel_size_is_header_page_then_two_arenas() -> None:
@@ -284,7 +287,7 @@ def test_shared_words_are_8_byte_aligned() -> None:
 
 
 def test_protocol_version_and_limits() -> None:
-    assert codes.PROTOCOL_VERSION == (1, 0)
+    assert codes.PROTOCOL_VERSION == (1, 1)
     assert codes.MAX_K == 1024
 
 
@@ -293,7 +296,7 @@ def test_op_codes() -> None:
         "PING": 1, "STATS": 2, "ADD": 3, "REMOVE": 4, "SEARCH": 5,
         "APPEND_TURN": 6, "CONTEXT": 7, "SESSIONS": 8, "TRIM": 9, "DELETE_SESSION": 10,
         "STATE_PUT": 11, "STATE_GET": 12, "STATE_DELETE": 13, "STATE_CAS": 14,
-        "LOG_EVENT": 15, "EVENTS": 16, "FORGET": 17,
+        "LOG_EVENT": 15, "EVENTS": 16, "FORGET": 17, "RECALL": 18,
     }  # fmt: skip
 
 
@@ -307,9 +310,18 @@ def test_context_flags() -> None:
     assert {f.name: int(f) for f in codes.ContextFlag} == {"TURNS": 1}
 
 
+def test_recall_flags() -> None:
+    assert {f.name: int(f) for f in codes.RecallFlag} == {"GPU_RESULT": 1}
+    assert {f.name: int(f) for f in codes.RecallResponseFlag} == {
+        "SYSTEM": 1, "TOKENS_ON_GPU": 2,
+    }  # fmt: skip
+
+
 def test_every_code_enum_is_pinned() -> None:
     enums = {n for n, v in vars(codes).items() if isinstance(v, type) and issubclass(v, enum.Enum)}
-    assert enums == {"Op", "Status", "AppendFlag", "ContextFlag"}
+    assert enums == {
+        "Op", "Status", "AppendFlag", "ContextFlag", "RecallFlag", "RecallResponseFlag",
+    }  # fmt: skip
 
 
 def test_status_codes() -> None:
@@ -333,6 +345,7 @@ def test_metric_payload_dtype_and_flag_codes() -> None:
     assert codes.SEARCH_WANT_PAYLOADS == 1
     assert codes.SEARCH_GPU_RESULT == 2
     assert codes.SEARCH_GPU_QUERY == 4
+    assert codes.ADD_HAS_TOKENS == 1
 
 
 def test_every_code_constant_is_pinned() -> None:
@@ -348,4 +361,5 @@ def test_every_code_constant_is_pinned() -> None:
         "SEARCH_WANT_PAYLOADS",
         "SEARCH_GPU_RESULT",
         "SEARCH_GPU_QUERY",
+        "ADD_HAS_TOKENS",
     }

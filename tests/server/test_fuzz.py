@@ -85,6 +85,15 @@ def valid_bodies(rng: np.random.Generator) -> list[tuple[int, int, bytes]]:
         put(Op.EVENTS, 0, M.encode_events_request(buf, ssb, 0, M.NO_LIMIT))
         if any(scope):
             put(Op.FORGET, 0, M.encode_scoped(buf, 0, 0, sb))
+        toks: list[np.ndarray | None] = [
+            rng.integers(0, 1000, int(rng.integers(0, 5))).astype(np.int32) for _ in ids
+        ]
+        toks[0] = None  # the sidecar would tokenize it
+        put(Op.ADD, codes.ADD_HAS_TOKENS, M.encode_add(buf, ids, v, kinds, blobs, sb, toks))
+        q = rng.standard_normal(DIM).astype(np.float32)
+        for flags in (0, codes.RecallFlag.GPU_RESULT):
+            n = M.encode_recall(buf, b"s", q, int(rng.integers(1, 20)), 100, M.NO_LIMIT, 50, sb)
+            put(Op.RECALL, int(flags), n)
     assert {op for op, _, _ in out} == {int(op) for op in Op}
     return out
 

@@ -9,6 +9,8 @@ side. Whatever the history of adds, upserts, removes, appends, state writes and 
   the result set is fully determined);
 * listing sessions, reading a session's context and reading state under a scope see that
   scope's data only;
+* a recall for a session sees the session's tenant's memories only (with or without a scope
+  of its own), and its token ids are exactly those memories' and that session's;
 * ``forget(scope)`` removes every memory, session, state value and event log of the scope,
   and nothing else.
 """
@@ -77,7 +79,8 @@ class Isolation(RuleBasedStateMachine):
         scope = Scope(tenant, user, session)
         self.version += 1
         vectors = np.stack([vector(i, self.version) for i in ids])
-        self.client.add(vectors, ids, [f"{tenant}:{i}" for i in ids], scope=scope)
+        self.client.add(vectors, ids, [f"{tenant}:{i}" for i in ids], scope=scope,
+                        tokens=[[i] for i in ids])  # fmt: skip
         for i in ids:
             self.items[i] = scope
 
@@ -124,6 +127,24 @@ class Isolation(RuleBasedStateMachine):
                 self.client.context(session, 10_000, scope=narrowed).tokens.tolist()
                 == (self.turns[session])
             )
+
+    @rule(session=st.sampled_from(SESSIONS), want=st.one_of(st.none(), filters()),
+          seed=st.integers(0, 2**16))  # fmt: skip
+    def recall_sees_its_scope_only(self, session: str, want: Scope | None, seed: int) -> None:
+        q = np.random.default_rng(seed).standard_normal(DIM).astype(np.float32)
+        owner = self.owners.get(session)
+        narrowed = Scope() if want is None else Scope(want.tenant, want.user)
+        if owner is None or not matches(Scope(*owner[:2], session), narrowed):
+            with pytest.raises(kalos.NotFound):
+                self.client.recall(session, q, k=K, max_tokens=10_000, scope=want)
+            return
+        r = self.client.recall(session, q, k=K, max_tokens=10_000, scope=want)
+        memory_filter = Scope(owner.tenant) if want is None else want
+        hits = [int(i) for i in r.ids if i != -1]
+        assert set(hits) == {i for i, s in self.items.items() if matches(s, memory_filter)}
+        assert all(self.items[i].tenant == owner.tenant for i in hits)
+        assert r.texts == [f"{owner.tenant}:{i}" for i in hits]
+        assert r.token_ids.tolist() == hits + self.turns[session]
 
     @rule(want=filters())
     def sessions_list_their_scope_only(self, want: Scope) -> None:

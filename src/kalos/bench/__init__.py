@@ -1,4 +1,9 @@
-"""Benchmarks behind ``kalos bench SCENARIO`` (names from BENCHMARKS.md)."""
+"""Benchmarks behind ``kalos bench SCENARIO`` (names from BENCHMARKS.md).
+
+Every scenario writes ``<out>/<scenario>-<machine>-<date>.json`` and, where it has samples, a
+PNG beside it (:mod:`kalos.bench.plots`); long runs show a progress bar on a terminal's
+stderr (``--quiet``: none).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ def add_bench_parsers(parser: argparse.ArgumentParser) -> None:
     from kalos.bench import (
         async_client,
         context,
+        recall,
         recovery,
         search_cpu,
         search_gpu,
@@ -23,6 +29,7 @@ def add_bench_parsers(parser: argparse.ArgumentParser) -> None:
         search_cpu,
         search_gpu,
         context,
+        recall,
         writes,
         recovery,
         stress,
@@ -33,6 +40,7 @@ def add_bench_parsers(parser: argparse.ArgumentParser) -> None:
         )
         p.add_argument("--out", default="bench/results", help="directory for the JSON result")
         p.add_argument("--machine", default=None, help="machine name in the result file")
+        p.add_argument("--quiet", action="store_true", help="no progress bar")
         module.add_arguments(p)
         p.set_defaults(bench=module.run)
 

@@ -1,20 +1,42 @@
-"""What every benchmark shares: latency summaries, machine facts and the result file.
+"""What every benchmark shares: latency summaries, machine facts, the result file, a progress
+bar, the per-stage breakdown of a kalos call, and concurrent interleaved runs.
 
 Results follow the shape in BENCHMARKS.md: ``{"scenario", "machine", "date", "versions",
 "params", "rows": [{"system", "p50_us", "p99_us", "p999_us", "qps", ...}]}``.
+
+The five stages of a kalos call (:data:`STAGES`, µs; they sum to the round trip the benchmark
+timed around the call, on the ``time.monotonic_ns`` clock the client and sidecar stamp with):
+
+* ``client_write``: the call began → its request was published (argument checks, encoding
+  into the channel, the header; for a benchmark also the Python call itself);
+* ``sidecar_wait``: published → the sidecar picked it up (its spin or futex wake; other
+  channels served first);
+* ``compute``: the sidecar's validation and store/index work;
+* ``response_write``: the sidecar encoding the response;
+* ``client_read``: the rest: the response published → the client saw it (spin or futex
+  wake) → decoded it (for ``device="cuda"``: the GPU handoff) → the call returned.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import platform
-from typing import Any
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TextIO
 
 import numpy as np
 
 import kalos
+
+STAGES = ("client_write", "sidecar_wait", "compute", "response_write", "client_read")
 
 
 def summarize(
@@ -78,9 +100,10 @@ def write_result(
     params: dict[str, Any],
     rows: list[dict[str, Any]],
     out_dir: str,
+    suffix: str | None = None,
     **extra: Any,
 ) -> str:
-    """Writes bench/results/<scenario>-<machine>-<date>.json; returns its path."""
+    """Writes bench/results/<scenario>-<machine>-<date>[-suffix].json; returns its path."""
     date = datetime.date.today().isoformat()
     name = machine_name(machine)
     result = {
@@ -94,11 +117,37 @@ def write_result(
         **extra,
     }
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"{scenario}-{name}-{date}.json")
+    tail = f"-{suffix}" if suffix else ""
+    path = os.path.join(out_dir, f"{scenario}-{name}-{date}{tail}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
         f.write("\n")
     return path
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def source_revision() -> str:
+    """The git commit the benchmark ran from (``+dirty`` with uncommitted changes), or "?"."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        rev = subprocess.run(
+            ["git", "-C", here, "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+    return rev + ("+dirty" if dirty else "")
 
 
 def print_table(
@@ -109,3 +158,246 @@ def print_table(
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=False)))
     for r in rows:
         print("  ".join(str(r.get(c, "")).ljust(w) for c, w in zip(columns, widths, strict=False)))
+
+
+# -- progress ----------------------------------------------------------------------------------
+
+
+class Progress:
+    """A one-line progress bar on stderr: label, bar, done/total, rate and time left.
+
+    Quiet when ``quiet`` or when the stream is not a terminal (logs and CI stay clean). Redraws
+    at most every ``interval`` s; :meth:`update` is thread-safe and cheap, but call it between
+    timed calls, never inside one.
+    """
+
+    def __init__(
+        self,
+        total: int,
+        label: str = "",
+        *,
+        quiet: bool = False,
+        stream: TextIO | None = None,
+        interval: float = 0.25,
+    ) -> None:
+        self.stream = sys.stderr if stream is None else stream
+        isatty = getattr(self.stream, "isatty", None)
+        self.enabled = not quiet and bool(isatty and isatty())
+        self.total = max(int(total), 1)
+        self.label = label
+        self.done = 0
+        self._interval = interval
+        self._start = self._drawn = time.monotonic()
+        self._lock = threading.Lock()
+
+    def update(self, n: int = 1, label: str | None = None) -> None:
+        with self._lock:
+            self.done += n
+            if label is not None:
+                self.label = label
+            now = time.monotonic()
+            if self.enabled and (now - self._drawn >= self._interval or self.done >= self.total):
+                self._drawn = now
+                self.stream.write("\r" + self.line(now))
+                self.stream.flush()
+
+    def line(self, now: float | None = None) -> str:
+        """The bar as text: ``label [#####.....] 512/1,000 51% 840/s 0:01 left``."""
+        elapsed = (time.monotonic() if now is None else now) - self._start
+        done = min(self.done, self.total)
+        frac = done / self.total
+        bar = "#" * int(frac * 30) + "." * (30 - int(frac * 30))
+        rate = done / elapsed if elapsed > 0 else 0.0
+        left = (self.total - done) / rate if rate > 0 else 0.0
+        return (
+            f"{self.label} [{bar}] {done:,}/{self.total:,} {frac:4.0%} {rate:,.0f}/s "
+            f"{int(left) // 60}:{int(left) % 60:02d} left"
+        )
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\r" + " " * len(self.line()) + "\r")
+            self.stream.flush()
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# -- the per-stage breakdown of a kalos call --------------------------------------------------
+
+
+def split_stages(
+    t0_ns: int, t1_ns: int, stamps: tuple[int, int, int] | None, timings: Any
+) -> tuple[float, float, float, float, float] | None:
+    """The five :data:`STAGES` (µs) of a call timed from ``t0_ns`` to ``t1_ns``
+    (``time.monotonic_ns``), from the client's ``last_stamps`` and ``last_timings``; None when
+    the transport does not stamp its requests. They sum to the round trip ``t1_ns - t0_ns``."""
+    if stamps is None or timings is None or not stamps[1]:
+        return None
+    write = (stamps[1] - t0_ns) / 1e3
+    queue, compute, out = timings.queue_us, timings.compute_us, timings.write_us
+    return (write, queue, compute, out, (t1_ns - t0_ns) / 1e3 - write - queue - compute - out)
+
+
+def stage_summary(stages: np.ndarray) -> dict[str, Any]:
+    """Mean and p50 of each stage of ``stages`` ([n, 5] µs; NaN rows skipped). The means sum
+    to the mean round trip; the p50s do not sum to anything."""
+    ok = stages[~np.isnan(stages).any(axis=1)]
+    if not len(ok):
+        return {}
+    return {
+        "mean_us": {s: round(float(v), 3) for s, v in zip(STAGES, ok.mean(axis=0), strict=True)},
+        "p50_us": {
+            s: round(float(v), 3) for s, v in zip(STAGES, np.median(ok, axis=0), strict=True)
+        },
+    }
+
+
+# -- concurrent, interleaved runs ---------------------------------------------------------------
+
+
+@dataclass
+class System:
+    """One system under test. ``call(item)`` does one request (timed); ``check(item, result)``
+    says whether its answer is right (run after the timer stopped, before the thread's next
+    call: views stay valid). ``client``: a kalos client whose calls are split into stages."""
+
+    name: str
+    call: Callable[[int], Any]
+    check: Callable[[int, Any], bool]
+    client: Any = None
+
+
+@dataclass
+class LevelResult:
+    """One system at one concurrency level: every request's ns, the wall time of the timed
+    calls (warm-up calls excluded), the stages."""
+
+    samples_ns: np.ndarray
+    wall_s: float = 0.0
+    stages_us: np.ndarray | None = None  # [n, 5], NaN where not split
+    mismatches: int = 0
+
+
+class Workers:
+    """``n`` persistent threads that run one job each per round, released together. A thread
+    keeps its kalos channels (one per thread per client) and Redis connections across rounds."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self._job: Callable[[int], None] | None = None
+        self._go = threading.Barrier(n + 1)
+        self._done = threading.Barrier(n + 1)
+        self._errors: list[BaseException] = []
+        self._threads = [
+            threading.Thread(target=self._loop, args=(k,), daemon=True, name=f"bench-{k}")
+            for k in range(n)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _loop(self, k: int) -> None:
+        while True:
+            self._go.wait()
+            job = self._job
+            if job is None:
+                return
+            try:
+                job(k)
+            except BaseException as exc:
+                self._errors.append(exc)
+            self._done.wait()
+
+    def run(self, job: Callable[[int], None]) -> float:
+        """Runs ``job(k)`` on every thread k at once; the wall time in s, first start to last
+        end. Re-raises a thread's exception."""
+        self._job = job
+        self._go.wait()
+        t0 = time.perf_counter()
+        self._done.wait()
+        wall = time.perf_counter() - t0
+        if self._errors:
+            exc = self._errors[0]
+            self._errors.clear()
+            raise exc
+        return wall
+
+    def close(self) -> None:
+        self._job = None
+        self._go.wait()
+        for t in self._threads:
+            t.join()
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def run_interleaved(
+    systems: Sequence[System],
+    order: np.ndarray,
+    threads: int,
+    *,
+    block: int,
+    warmup: int,
+    progress: Progress | None = None,
+) -> dict[str, LevelResult]:
+    """Every system answers ``order`` (items), ``threads`` calls at a time, in interleaved blocks
+    of ``block`` calls whose system order rotates. Thread k makes calls k, k+threads, ... of a
+    block, after ``warmup`` untimed calls of its own; every answer is checked."""
+    n = len(order)
+    results = {
+        s.name: LevelResult(
+            np.zeros(n, np.int64),
+            stages_us=np.full((n, 5), np.nan) if s.client is not None else None,
+        )
+        for s in systems
+    }
+    lock = threading.Lock()
+    span = np.zeros((threads, 2), np.int64)  # each thread's first timed call → its end, ns
+
+    def block_job(system: System, res: LevelResult, at: int, end: int, k: int) -> None:
+        call, check, client = system.call, system.check, system.client
+        if client is not None:
+            client.record_stages(True)
+        for j in range(warmup):
+            call(int(order[(at + k + j * threads) % n]))
+        samples, stages = res.samples_ns, res.stages_us
+        clock = time.monotonic_ns
+        bad = 0
+        span[k, 0] = clock()
+        for i in range(at + k, end, threads):
+            item = int(order[i])
+            t0 = clock()
+            out = call(item)
+            t1 = clock()
+            samples[i] = t1 - t0
+            if stages is not None:
+                split = split_stages(t0, t1, client.last_stamps, client.last_timings)
+                if split is not None:
+                    stages[i] = split
+            if not check(item, out):
+                bad += 1
+        span[k, 1] = clock()
+        if client is not None:  # the other systems' calls, and the client's, stay unstamped
+            client.record_stages(False)
+        if bad:
+            with lock:
+                res.mismatches += bad
+
+    with Workers(threads) as workers:
+        for b, at in enumerate(range(0, n, block)):
+            end = min(at + block, n)
+            rotation = list(systems[b % len(systems) :]) + list(systems[: b % len(systems)])
+            for system in rotation:
+                res = results[system.name]
+                workers.run(functools.partial(block_job, system, res, at, end))
+                res.wall_s += (span[:, 1].max() - span[:, 0].min()) / 1e9
+                if progress is not None:
+                    progress.update(end - at)
+    return results

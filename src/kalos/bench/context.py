@@ -11,9 +11,19 @@
   turns that fit, their token ids concatenated into one int32 array.
 * ``dict-inprocess``: the same module over a dict in this process (no server, no JSON).
 
-Every system answers the same random sequence of sessions, in interleaved blocks whose order
-rotates; each block starts with a few untimed calls. All three must return the same token
-ids (and turns) for every session; mismatches are counted and fail the run.
+Every system answers the same random sequence of sessions at each concurrency level
+(``--concurrency``, default 1, 8 and 64 threads of this process: one kalos channel and one
+Redis connection per thread), in interleaved blocks whose order rotates; each thread starts a
+block with a few untimed calls. Every session is checked up front, and every answer of the
+run against the dict module's (token ids, and turns where the system returns them) after its
+timer stopped; mismatches are counted and fail the run. The kalos rows carry the per-stage
+breakdown of :mod:`kalos.bench.common` (mean and p50 µs of client write, sidecar wait,
+compute, response write, client read). Threads share this process's GIL, as the request
+threads of a Python inference service do; at 64 threads on a small machine that is part of
+what is measured, for kalos and the Redis module alike.
+
+The JSON lands in ``--out`` with a PNG beside it: latency CDFs per concurrency level, and the
+kalos stages as stacked bars. The Redis and dict modules live in :mod:`kalos.bench.baseline`.
 
 Needs redis-py (``pip install 'kalos[bench]'``) and ``redis-server`` (installed with
 ``apt-get install -y redis-server`` when missing and this runs as root).
@@ -22,25 +32,27 @@ Needs redis-py (``pip install 'kalos[bench]'``) and ``redis-server`` (installed 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import itertools
-import json
-import os
-import shutil
-import subprocess
-import tempfile
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from kalos.bench.common import print_table, summarize, write_result
-from kalos.errors import ConfigError
+from kalos.bench.baseline import DictMemory, RedisMemory, Turn, find_redis_server, redis_server
+from kalos.bench.common import (
+    Progress,
+    System,
+    load_average,
+    print_table,
+    run_interleaved,
+    source_revision,
+    stage_summary,
+    summarize,
+    write_result,
+)
+from kalos.bench.plots import plot_result
 from kalos.testing import isolated_sidecar
 
 SCENARIO = "context"
-Window = tuple[np.ndarray, list[tuple[str, str]]]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,135 +60,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--turns", type=int, default=50, help="turns per session")
     p.add_argument("--tokens", type=int, default=100, help="mean token ids per turn (±20%%)")
     p.add_argument("--budget", type=int, default=4_096, help="max_tokens of each context")
-    p.add_argument("--requests", type=int, default=20_000, help="timed calls per system")
+    p.add_argument("--requests", type=int, default=20_000,
+                   help="timed calls per system and concurrency level")  # fmt: skip
     p.add_argument("--block", type=int, default=500, help="calls per interleaved block")
     p.add_argument("--warmup", type=int, default=2_000, help="untimed calls per system first")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64],
+                   help="threads calling at once, one level after the other")  # fmt: skip
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--redis-server", default=None, help="path of redis-server")
-
-
-# -- the baselines: a Python memory module over Redis, and over a dict ----------------------
-
-
-class RedisMemory:
-    """Turns as JSON in a Redis list per session: what a Python service typically runs."""
-
-    def __init__(self, client: Any) -> None:  # client: redis.Redis
-        self.r = client
-
-    def load(self, session: str, turns: list[tuple[str, str, np.ndarray]]) -> None:
-        pipe = self.r.pipeline(transaction=False)
-        for role, text, tokens in turns:
-            pipe.rpush(
-                f"session:{session}",
-                json.dumps({"role": role, "text": text, "tokens": tokens.tolist()}),
-            )
-        pipe.execute()
-
-    def context(self, session: str, max_tokens: int) -> Window:
-        turns = [json.loads(raw) for raw in self.r.lrange(f"session:{session}", 0, -1)]
-        return newest_that_fit(turns, max_tokens)
-
-
-def newest_that_fit(turns: list[dict[str, Any]], max_tokens: int) -> Window:
-    budget = max_tokens
-    chosen = []
-    for turn in reversed(turns):
-        n = len(turn["tokens"])
-        if n > budget:
-            break
-        budget -= n
-        chosen.append(turn)
-    chosen.reverse()
-    tokens = np.fromiter(itertools.chain.from_iterable(t["tokens"] for t in chosen), np.int32)
-    return tokens, [(t["role"], t["text"]) for t in chosen]
-
-
-class DictMemory:
-    """The same module over a dict in this process: turns with int32 token arrays."""
-
-    def __init__(self) -> None:
-        self.sessions: dict[str, list[tuple[str, str, np.ndarray]]] = {}
-
-    def load(self, session: str, turns: list[tuple[str, str, np.ndarray]]) -> None:
-        self.sessions[session] = list(turns)
-
-    def context(self, session: str, max_tokens: int) -> Window:
-        budget = max_tokens
-        chosen = []
-        for turn in reversed(self.sessions[session]):
-            if len(turn[2]) > budget:
-                break
-            budget -= len(turn[2])
-            chosen.append(turn)
-        chosen.reverse()
-        tokens = np.concatenate([t[2] for t in chosen]) if chosen else np.empty(0, np.int32)
-        return tokens, [(t[0], t[1]) for t in chosen]
-
-
-# -- redis-server ------------------------------------------------------------------------------
-
-
-def find_redis_server(path: str | None) -> str:
-    """redis-server's path; installs Debian's package when it is missing and we are root."""
-    found = path or shutil.which("redis-server")
-    if found:
-        return found
-    if os.geteuid() == 0 and shutil.which("apt-get"):
-        print("redis-server is missing: apt-get install -y redis-server")
-        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        if subprocess.run(["apt-get", "install", "-y", "redis-server"], env=env).returncode:
-            subprocess.run(["apt-get", "update"], env=env, check=False)
-            subprocess.run(["apt-get", "install", "-y", "redis-server"], env=env, check=True)
-        found = shutil.which("redis-server")
-        if found:
-            return found
-    raise ConfigError("redis-server not found: apt-get install redis-server, or --redis-server")
-
-
-@contextlib.contextmanager
-def redis_server(binary: str) -> Iterator[tuple[Any, str]]:
-    """A private redis-server on a Unix socket in a temporary directory; (client, version)."""
-    try:
-        import redis
-    except ImportError as exc:
-        raise ConfigError(
-            "the context benchmark needs redis-py: pip install 'kalos[bench]'"
-        ) from exc
-    with tempfile.TemporaryDirectory(prefix="kalos-redis-") as tmp:
-        sock = os.path.join(tmp, "redis.sock")
-        proc = subprocess.Popen(
-            [binary, "--port", "0", "--unixsocket", sock, "--unixsocketperm", "700", "--save", "",
-             "--appendonly", "no", "--dir", tmp, "--daemonize", "no", "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL,
-        )  # fmt: skip
-        try:
-            deadline = time.monotonic() + 30
-            client = redis.Redis(unix_socket_path=sock)
-            while True:
-                try:
-                    client.ping()
-                    break
-                except (redis.ConnectionError, FileNotFoundError):
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        raise ConfigError("redis-server did not start") from None
-                    time.sleep(0.05)
-            version = str(client.info("server").get("redis_version", "?"))
-            yield client, version
-            client.close()
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    p.add_argument("--suffix", default=None, help="appended to the result file names")
 
 
 # -- the run -----------------------------------------------------------------------------------
 
 
-def make_sessions(args: argparse.Namespace) -> dict[str, list[tuple[str, str, np.ndarray]]]:
+def make_sessions(args: argparse.Namespace) -> dict[str, list[Turn]]:
     rng = np.random.default_rng(args.seed)
     lo, hi = int(args.tokens * 0.8), int(args.tokens * 1.2)
     sessions = {}
@@ -191,43 +89,16 @@ def make_sessions(args: argparse.Namespace) -> dict[str, list[tuple[str, str, np
     return sessions
 
 
-def load_average() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
-def source_revision() -> str:
-    """The git commit the benchmark ran from (``+dirty`` with uncommitted changes), or "?"."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        rev = subprocess.run(
-            ["git", "-C", here, "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "?"
-    return rev + ("+dirty" if dirty else "")
-
-
 def run(args: argparse.Namespace) -> int:
     sessions = make_sessions(args)
     names = list(sessions)
     order = np.random.default_rng(args.seed + 1).integers(0, len(names), size=args.requests)
     redis_bin = find_redis_server(args.redis_server)
     budget = args.budget
+    levels = list(args.concurrency)
     with (
         isolated_sidecar(dim=8, name="bench-context") as sidecar,
-        redis_server(redis_bin) as (
-            r,
-            redis_version,
-        ),
+        redis_server(redis_bin) as (r, redis_version),
     ):
         client = sidecar.connect()
         redis_mem, dict_mem = RedisMemory(r), DictMemory()
@@ -241,23 +112,11 @@ def run(args: argparse.Namespace) -> int:
             f"loaded {len(names)} sessions x {args.turns} turns in {time.perf_counter() - t0:.1f} s"
         )
 
-        def kalos_tokens(name: str) -> Any:
-            return client.context(name, budget, turns=False).tokens
-
-        def kalos_turns(name: str) -> Any:
-            ctx = client.context(name, budget)
-            return ctx.tokens, list(ctx.turns)
-
-        systems = {
-            "kalos-shm": kalos_tokens,
-            "kalos-shm+turns": kalos_turns,
-            "redis-json": lambda name: redis_mem.context(name, budget),
-            "dict-inprocess": lambda name: dict_mem.context(name, budget),
-        }
-
-        # Correctness first, every session: the same ids and turns from all three.
+        # Correctness first, every session: the same ids and turns from all three. The dict
+        # module's answers are also what every timed call is checked against.
         mismatches = 0
         window_tokens = []
+        want: list[tuple[np.ndarray, list[tuple[str, str]]]] = []
         for name in names:
             ctx = client.context(name, budget, copy=True)
             want_tokens, want_turns = dict_mem.context(name, budget)
@@ -271,60 +130,69 @@ def run(args: argparse.Namespace) -> int:
             )
             mismatches += int(not ok)
             window_tokens.append(len(want_tokens))
+            want.append((want_tokens, want_turns))
 
-        for fn in systems.values():  # warm up every path
-            for i in range(args.warmup):
-                fn(names[int(order[i % len(order)])])
+        def kalos_tokens(i: int) -> Any:
+            return client.context(names[i], budget, turns=False).tokens
 
-        samples = {s: np.zeros(args.requests, np.int64) for s in systems}
-        walls = dict.fromkeys(systems, 0.0)
-        stages = np.zeros((args.requests, 3), np.float64)  # kalos: queue, compute, write µs
+        def kalos_turns(i: int) -> Any:
+            ctx = client.context(names[i], budget)
+            return ctx.tokens, list(ctx.turns)
+
+        def same_tokens(i: int, got: Any) -> bool:
+            return bool(got.dtype == np.int32 and np.array_equal(got, want[i][0]))
+
+        def same_window(i: int, got: Any) -> bool:
+            return same_tokens(i, got[0]) and got[1] == want[i][1]
+
+        systems = [
+            System("kalos-shm", kalos_tokens, same_tokens, client),
+            System("kalos-shm+turns", kalos_turns, same_window, client),
+            System("redis-json", lambda i: redis_mem.context(names[i], budget), same_window),
+            System("dict-inprocess", lambda i: dict_mem.context(names[i], budget), same_window),
+        ]
+        for system in systems:  # warm up every path
+            for j in range(args.warmup):
+                system.call(int(order[j % len(order)]))
+
         load_before = load_average()
-        clock = time.perf_counter_ns
-        keys = list(systems)
-        for b, at in enumerate(range(0, args.requests, args.block)):
-            idx = [names[int(i)] for i in order[at : at + args.block]]
-            rotation = keys[b % len(keys) :] + keys[: b % len(keys)]
-            for system in rotation:
-                fn, out = systems[system], samples[system]
-                for name in idx[:20]:  # untimed: wake the sidecar, warm the caches
-                    fn(name)
-                w0 = time.perf_counter()
-                for i, name in enumerate(idx, start=at):
-                    t = clock()
-                    fn(name)
-                    out[i] = clock() - t
-                    if system == "kalos-shm":
-                        tm = client.last_timings
-                        stages[i] = (tm.queue_us, tm.compute_us, tm.write_us)
-                walls[system] += time.perf_counter() - w0
+        results = {}
+        total = len(levels) * len(systems) * len(order)
+        with Progress(total, "context", quiet=args.quiet) as progress:
+            for threads in levels:
+                progress.update(0, f"context, {threads} thread(s)")
+                results[threads] = run_interleaved(
+                    systems,
+                    order,
+                    threads,
+                    block=args.block,
+                    warmup=max(2, 20 // threads),
+                    progress=progress,
+                )
         load_after = load_average()
         client.close()
 
-    rows = [summarize(s, samples[s], walls[s]) for s in systems]
-    by = {row["system"]: row for row in rows}
-    for row in rows:
-        row["redis_over_this_p50"] = round(by["redis-json"]["p50_us"] / row["p50_us"], 2)
-        row["redis_over_this_p99"] = round(by["redis-json"]["p99_us"] / row["p99_us"], 2)
-    k = by["kalos-shm"]
-    k["sidecar_p50_us"] = {
-        "queue": round(float(np.percentile(stages[:, 0], 50)), 3),
-        "compute": round(float(np.percentile(stages[:, 1], 50)), 3),
-        "write": round(float(np.percentile(stages[:, 2], 50)), 3),
-    }
-    print_table(
-        rows,
-        (
-            "system",
-            "p50_us",
-            "p99_us",
-            "p999_us",
-            "qps",
-            "redis_over_this_p50",
-            "redis_over_this_p99",
-        ),
-    )
-    kt = by["kalos-shm+turns"]
+    rows = []
+    for threads, by_system in results.items():
+        level = []
+        for s in systems:
+            res = by_system[s.name]
+            mismatches += res.mismatches
+            row = summarize(s.name, res.samples_ns, res.wall_s, concurrency=threads)
+            row["mismatches"] = res.mismatches
+            if res.stages_us is not None:
+                row["stages"] = stage_summary(res.stages_us)
+            level.append(row)
+        by = {row["system"]: row for row in level}
+        for row in level:
+            row["redis_over_this_p50"] = round(by["redis-json"]["p50_us"] / row["p50_us"], 2)
+            row["redis_over_this_p99"] = round(by["redis-json"]["p99_us"] / row["p99_us"], 2)
+        rows += level
+    columns = ("system", "concurrency", "p50_us", "p99_us", "p999_us", "qps",
+               "redis_over_this_p50", "redis_over_this_p99")  # fmt: skip
+    print_table(rows, columns)
+    one = {row["system"]: row for row in rows if row["concurrency"] == levels[0]}
+    k, kt = one["kalos-shm"], one["kalos-shm+turns"]
     targets = {
         "kalos_p99_le_15us": k["p99_us"] <= 15.0,
         "kalos_10x_faster_than_redis_p99": k["redis_over_this_p99"] >= 10.0,
@@ -332,9 +200,9 @@ def run(args: argparse.Namespace) -> int:
         "kalos_with_turns_p99_le_15us": kt["p99_us"] <= 15.0,
         "kalos_with_turns_10x_faster_than_redis_p99": kt["redis_over_this_p99"] >= 10.0,
     }
-    print(f"targets: {targets}")
-    print(f"sidecar stages at p50 (µs): {k['sidecar_p50_us']}")
-    print(f"correctness: {mismatches} mismatches over {len(names)} sessions")
+    print(f"targets (at {levels[0]} thread(s)): {targets}")
+    print(f"kalos-shm stages, mean µs: {k.get('stages', {}).get('mean_us')}")
+    print(f"correctness: {mismatches} mismatches ({len(names)} sessions up front, every call)")
     print(f"load average before/after: {load_before} / {load_after}")
     params = {
         "sessions": args.sessions,
@@ -344,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
         "mean_window_tokens": round(float(np.mean(window_tokens)), 1),
         "requests": args.requests,
         "block": args.block,
+        "concurrency": levels,
         "seed": args.seed,
         "redis": f"redis-server {redis_version}, Unix socket, redis-py, JSON list per session",
     }
@@ -353,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
         params,
         rows,
         args.out,
+        args.suffix,
         mismatches=mismatches,
         targets=targets,
         load_average_before=load_before,
@@ -360,4 +230,19 @@ def run(args: argparse.Namespace) -> int:
         source=source_revision(),
     )
     print(f"wrote {path}")
+    png = plot_result(
+        path,
+        {
+            f"{t} thread(s)": {s: res.samples_ns for s, res in by_system.items()}
+            for t, by_system in results.items()
+        },
+        {
+            f"{row['system']}, {row['concurrency']} thr": row["stages"]["mean_us"]
+            for row in rows
+            if row.get("stages")
+        },
+        title=f"context: {args.sessions:,} sessions x {args.turns} turns, {budget} tokens",
+    )
+    if png:
+        print(f"wrote {png}")
     return 1 if mismatches else 0

@@ -16,6 +16,7 @@ from threadpoolctl import threadpool_limits
 
 from kalos import index as kindex
 from kalos.bench.common import print_table, summarize, write_result
+from kalos.bench.plots import plot_result
 from kalos.testing import isolated_sidecar
 
 SCENARIO = "search-cpu"
@@ -65,6 +66,7 @@ def _run(args: argparse.Namespace) -> int:
     local.add(base, ids)
     index_lock = threading.Lock()
     rows = []
+    samples: dict[str, dict[str, np.ndarray]] = {}  # for the plot: level → system → ns
     mismatches = 0
     with isolated_sidecar(
         dim=args.dim, name="bench-search-cpu", extra_args=("--index", args.index)
@@ -118,6 +120,10 @@ def _run(args: argparse.Namespace) -> int:
                 concurrency=conc,
             )
             k_row["over_inprocess_p50"] = round(k_row["p50_us"] / i_row["p50_us"], 3)
+            samples[f"{conc} client(s)"] = {
+                "kalos-shm": np.concatenate(parts["kalos"]),
+                f"inprocess-{args.index}": np.concatenate(parts["inprocess"]),
+            }
             rows += [k_row, i_row]
             for c in clients:
                 c.close()
@@ -136,4 +142,7 @@ def _run(args: argparse.Namespace) -> int:
     }
     path = write_result(SCENARIO, args.machine, params, rows, args.out, mismatches=mismatches)
     print(f"wrote {path}")
+    png = plot_result(path, samples, title=f"search-cpu: {args.n:,} x {args.dim}, top-{args.k}")
+    if png:
+        print(f"wrote {png}")
     return 1 if mismatches else 0

@@ -162,7 +162,7 @@ def _run_size(args: argparse.Namespace, torch: Any, n: int, dim: int, bw: float)
             client.search(queries[0], k, payloads=False)
             client.search_gpu(queries[0], k)
             client.search_gpu(q_gpu[0], k)
-        stages: dict[str, list] = {}
+        stages: dict[str, dict[str, float]] = {}
 
         def host(i: int) -> None:
             client.search(queries[i], k, payloads=False)
@@ -175,10 +175,15 @@ def _run_size(args: argparse.Namespace, torch: Any, n: int, dim: int, bw: float)
 
         for name, fn in (("kalos-shm", host), ("kalos-shm-gpu", gpu),
                          ("kalos-shm-gpu-query", gpu_query)):  # fmt: skip
-            samples, wall = _host_times(fn, args.queries)
-            t = client.last_timings
+            timings: list[Any] = []
+
+            def timed(i: int, fn: Any = fn, timings: list = timings) -> None:
+                fn(i)
+                timings.append(client.last_timings)
+
+            samples, wall = _host_times(timed, args.queries)
             rows.append(summarize(name, samples, wall))
-            stages[name] = [t.queue_us, t.compute_us, t.write_us] if t else []
+            stages[name] = _stage_medians(timings)
         client.close()
     rows.append({"system": "bandwidth-floor", "p50_us": round(floor_us, 3),
                  "bytes": n * dim * 2, "copy_bandwidth_TBps": round(bw / 1e12, 3)})  # fmt: skip
@@ -194,7 +199,19 @@ def _run_size(args: argparse.Namespace, torch: Any, n: int, dim: int, bw: float)
         "wrong_results": wrong,
     }
     return {"params": {"n": n, "dim": dim, "dtype": "float16", "k": k, "batch": 1},
-            "rows": rows, "summary": summary, "last_stage_us": stages}  # fmt: skip
+            "rows": rows, "summary": summary, "stage_median_us": stages}  # fmt: skip
+
+
+def _stage_medians(timings: list[Any]) -> dict[str, float]:
+    """Median µs of each stage over a run's calls: the sidecar's queue (publish → picked
+    up), compute (decode, search, sync) and write (response encoding), and the client's own
+    share (encoding, publishing, waking, decoding: its round trip less the three)."""
+    t = np.array([(x.queue_us, x.compute_us, x.write_us, x.total_us) for x in timings])
+    client = t[:, 3] - t[:, 0] - t[:, 1] - t[:, 2]
+    med = np.median(t, axis=0)
+    return {"queue_us": round(float(med[0]), 2), "compute_us": round(float(med[1]), 2),
+            "write_us": round(float(med[2]), 2), "client_us": round(float(np.median(client)), 2),
+            "compute_p99_us": round(float(np.percentile(t[:, 1], 99)), 2)}  # fmt: skip
 
 
 def _tie_ok(
@@ -277,6 +294,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"\n{n:,} x {dim} fp16, top-{args.k}, batch 1")
         print_table(r["rows"])
         print(r["summary"])
+        print("stage medians:", r["stage_median_us"])
         first = extra["sets"][0]  # rewritten after every size: a cut-off run keeps its sets
         path = write_result(SCENARIO, args.machine or "H200", first["params"], first["rows"],
                             args.out, **extra)  # fmt: skip

@@ -2,9 +2,10 @@
 
 At the handshake a cuda sidecar exports each channel's GPU buffer (CUDA IPC handle and
 layout); :class:`GpuChannel` maps it into this process and exposes torch tensors over it:
-``query`` (where a client may put GPU queries), ``ids`` and ``scores``. The sidecar writes a
-search's results there and waits for its stream before publishing the response, so when the
-response arrives the tensors hold the results: no copy and no extra synchronisation.
+``query`` (where a client may put GPU queries), ``ids`` and ``scores``, and ``tokens`` (a
+recall's token ids). The sidecar writes a search's results (or a recall's token ids) there
+and waits for its stream before publishing the response, so when the response arrives the
+tensors hold the results: no copy and no extra synchronisation.
 """
 
 from __future__ import annotations
@@ -35,10 +36,16 @@ class GpuChannel:
         self.scores = cuda_ipc.tensor_at(
             self.ptr + int(desc["scores_offset"]), (self.max_hits,), torch.float32, self.device
         )
+        # A sidecar older than protocol 1.1 has no token slots: max_tokens 0.
+        self.max_tokens = int(desc.get("max_tokens", 0))
+        self.tokens = cuda_ipc.tensor_at(
+            self.ptr + int(desc.get("tokens_offset", 0)), (self.max_tokens,), torch.int32,
+            self.device,
+        )  # fmt: skip
 
     def close(self) -> None:
         if self.ptr:
-            del self.query, self.ids, self.scores
+            del self.query, self.ids, self.scores, self.tokens
             with contextlib.suppress(RuntimeError):  # the context may be gone at exit
                 cuda_ipc.ipc_close(self.ptr)
             self.ptr = 0

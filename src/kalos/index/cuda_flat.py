@@ -560,19 +560,33 @@ def create_from_spec(
 
 
 class SearchGraph:
-    """One search captured as a CUDA graph over fixed device buffers.
+    """One search captured as a CUDA graph over fixed buffers.
 
     Write queries into ``query`` ([nq, dim] fp32) and, when ``scope_active``, the filter into
     ``scope`` ([3] int64: tenant, user, session; 0 = any); call :meth:`replay`; read ``scores``
-    ([nq, k] fp32) and ``ids`` ([nq, k] int64) once the stream reaches that point. All buffers
-    belong to the graph and live as long as it does.
+    ([nq, k] fp32) and ``ids`` ([nq, k] int64) once the stream reaches that point. The graph
+    allocates these in device memory unless the caller passes its own (keyword arguments of
+    the same names): pinned host tensors work too, since the kernels read and write them
+    through unified addressing. That is how the sidecar's graphs put the top-k straight into
+    pinned host memory without a copy node. Buffers must outlive the graph.
 
     The graph reads the live count from the device, so adds and removes that fit the current
     capacity need nothing; when the index reallocates its storage, the next replay recaptures
     (a one-off cost: a kernel run and a capture, some ms).
     """
 
-    def __init__(self, index: CudaFlatIndex, nq: int, k: int, scope_active: bool) -> None:
+    def __init__(
+        self,
+        index: CudaFlatIndex,
+        nq: int,
+        k: int,
+        scope_active: bool,
+        *,
+        query: Any = None,
+        scope: Any = None,
+        scores: Any = None,
+        ids: Any = None,
+    ) -> None:
         torch = index._torch
         if not isinstance(nq, int) or not 1 <= nq <= index._max_batch:
             raise InvalidRequest(f"graph batch must be 1..{index._max_batch}, got {nq!r}")
@@ -581,10 +595,18 @@ class SearchGraph:
         self.k = _k_in(k)
         self.scope_active = bool(scope_active)
         dev = index.device
-        self.query = torch.zeros((nq, index.dim), dtype=torch.float32, device=dev)
-        self.scope = torch.zeros(3, dtype=torch.int64, device=dev)
-        self.scores = torch.empty((nq, self.k), dtype=torch.float32, device=dev)
-        self.ids = torch.empty((nq, self.k), dtype=torch.int64, device=dev)
+
+        def buffer(given: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+            if given is None:
+                return torch.zeros(shape, dtype=dtype, device=dev)
+            if tuple(given.shape) != shape or given.dtype != dtype or not given.is_contiguous():
+                raise InvalidRequest(f"a graph buffer must be contiguous {dtype} {shape}")
+            return given
+
+        self.query = buffer(query, (nq, index.dim), torch.float32)
+        self.scope = buffer(scope, (3,), torch.int64)
+        self.scores = buffer(scores, (nq, self.k), torch.float32)
+        self.ids = buffer(ids, (nq, self.k), torch.int64)
         self._graph: Any = None
         self._generation = -1
         self._capture()

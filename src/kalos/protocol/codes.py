@@ -12,7 +12,7 @@ from kalos import errors
 
 # (major, minor). A client and a sidecar talk when their majors are equal; the minor is
 # negotiated down to the smaller of the two. docs/PROTOCOL.md says what a minor may change.
-PROTOCOL_VERSION = (1, 0)
+PROTOCOL_VERSION = (1, 1)  # 1.1: RECALL, ADD with token ids
 
 MAX_K = 1024  # largest k a search may ask for
 
@@ -36,6 +36,7 @@ class Op(enum.IntEnum):
     LOG_EVENT = 15
     EVENTS = 16
     FORGET = 17
+    RECALL = 18  # one LLM request's memory step: context + top-k memories as token ids
 
 
 class Status(enum.IntEnum):
@@ -67,6 +68,9 @@ SEARCH_GPU_RESULT = 2  # results into the channel's GPU buffer (CUDA IPC), not t
 SEARCH_GPU_QUERY = 4  # the queries are in the channel's GPU buffer; the body carries none
 
 
+ADD_HAS_TOKENS = 1  # ADD flag: the body carries token ids for some of its payloads
+
+
 class AppendFlag(enum.IntFlag):
     """APPEND_TURN request flags."""
 
@@ -80,6 +84,19 @@ class ContextFlag(enum.IntFlag):
     """CONTEXT request flags."""
 
     TURNS = 1  # each turn's role and text too; without it only the token ids come back
+
+
+class RecallFlag(enum.IntFlag):
+    """RECALL request flags."""
+
+    GPU_RESULT = 1  # the token ids go into the channel's GPU buffer, not the response arena
+
+
+class RecallResponseFlag(enum.IntFlag):
+    """Flags in the header of a RECALL response body."""
+
+    SYSTEM = 1  # the pinned system prompt is included (its tokens come first)
+    TOKENS_ON_GPU = 2  # the token ids are in the channel's GPU buffer, not in this body
 
 
 _STATUS_ERRORS: dict[int, type[errors.KalosError]] = {

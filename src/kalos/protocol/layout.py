@@ -102,3 +102,11 @@ def channel_size(arena_bytes: int) -> int:
 # RESP_FRAME (seq + RESP_FIELDS) then body_len bytes.
 REQ_FRAME = struct.Struct("<QIIQQQ")  # 40 bytes
 RESP_FRAME = struct.Struct("<QIIQQQQ")  # 48 bytes
+
+# -- messages of the grpc transport (method /kalos.v1.Sidecar/Call, raw bytes, no protobuf) ----
+# A request is GRPC_REQ_FRAME then body_len bytes: seq, op, flags, body_len, then the largest
+# response body the client accepts (its negotiated arena; the sidecar clamps it to its
+# max_arena_bytes). The client's clock means nothing off-host, so there is no publish or
+# deadline field: the deadline travels as the grpc call's own. A response is RESP_FRAME then
+# body_len bytes, as over uds.
+GRPC_REQ_FRAME = struct.Struct("<QIIQQ")  # 32 bytes

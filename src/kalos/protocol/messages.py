@@ -10,14 +10,17 @@ Every section of a body starts 8-byte aligned. Layouts (little-endian):
 - scope block: ``u32 tenant_len, u32 user_len, u32 session_len, u32 0``, then the UTF-8
   bytes, padded to 8.
 - ADD: ``u32 n, u32 dim, u32 dtype, u32 0``, scope block, ``ids i64[n]``,
-  ``vectors dtype[n*dim]``, ``kinds u8[n]``, ``offsets u64[n+1]``, ``blob``.
+  ``vectors dtype[n*dim]``, ``kinds u8[n]``, ``offsets u64[n+1]``, then with flag
+  ``ADD_HAS_TOKENS`` ``has_tokens u8[n]``, ``token_offsets u64[n+1]``,
+  ``tokens i32[token_offsets[n]]`` (each padded to 8), then ``blob``.
 - REMOVE: ``u32 n, u32 0``, ``ids i64[n]``.  Response: ``u64 removed``.
 - SEARCH: ``u32 nq, u32 k, u32 dim, u32 dtype``, scope block, ``queries dtype[nq*dim]``.
   Response: ``u32 nq, u32 k, u32 has_payloads, u32 0``, ``scores f32[nq*k]``,
   ``ids i64[nq*k]``, and with payloads ``kinds u8[nq*k]``, ``offsets u64[nq*k+1]``, ``blob``.
 - ADD response: ``u64 added, u64 replaced``.
 - STATS response, and the message of an error response: UTF-8 text (JSON for STATS).
-- Sessions, agent state, event logs and FORGET (ops 6-17): the last section of this module.
+- Sessions, agent state, event logs and FORGET (ops 6-17): the last section of this module;
+  RECALL (op 18) after them.
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ def encode_scope_fields(scope: Scope | None) -> ScopeBytes:
 
 
 EMPTY_SCOPE = encode_scope_fields(None)
+_NO_SCOPE = Scope(None, None, None)
 
 
 def write_scope(buf: np.ndarray, off: int, sb: ScopeBytes) -> int:
@@ -98,6 +102,8 @@ def read_scope(buf: np.ndarray, off: int, end: int) -> tuple[Scope, int]:
     _need(off + 16, end)
     a, b, c, _ = _HEAD4.unpack_from(buf, off)
     off += 16
+    if not (a or b or c):  # the common case: no scope (saves ~1.5 µs per request)
+        return _NO_SCOPE, off
     _need(off + a + b + c, end)
     raw = bytes(buf[off : off + a + b + c])
     try:
@@ -274,12 +280,27 @@ def _decode_payloads(
 
 
 def add_item_sizes(
-    dim: int, itemsize: int, payload_lens: np.ndarray, sb: ScopeBytes
+    dim: int,
+    itemsize: int,
+    payload_lens: np.ndarray,
+    sb: ScopeBytes,
+    token_lens: np.ndarray | None = None,
 ) -> tuple[int, np.ndarray]:
-    """Fixed bytes of an ADD body and the bytes each item adds (for chunking bulk adds)."""
+    """Fixed bytes of an ADD body and the bytes each item adds (for chunking bulk adds).
+    ``token_lens``: token ids of each item, when the ADD carries token ids."""
     fixed = 16 + sb.nbytes + 8 + 7 + 7  # header, scope, the extra offset, worst-case padding
     per_item = 8 + dim * itemsize + 1 + 8 + payload_lens
+    if token_lens is not None:
+        fixed += 8 + 7 + 7  # the extra token offset, worst-case padding of the two sections
+        per_item = per_item + 1 + 8 + 4 * token_lens
     return fixed, per_item
+
+
+def _add_size(n: int, vector_bytes: int, blob_len: int, sb: ScopeBytes, n_tokens: int) -> int:
+    size = 16 + sb.nbytes + n * 8 + _pad8(vector_bytes) + _pad8(n) + (n + 1) * 8 + blob_len
+    if n_tokens >= 0:
+        size += _pad8(n) + (n + 1) * 8 + _pad8(4 * n_tokens)
+    return size
 
 
 def encode_add(
@@ -289,11 +310,16 @@ def encode_add(
     kinds: np.ndarray,
     blobs: list[bytes],
     sb: ScopeBytes,
+    tokens: Sequence[np.ndarray | None] | None = None,
 ) -> int:
-    """Writes an ADD body for ids [n] i64, vectors [n, dim], payload kinds [n] u8 and bytes."""
+    """Writes an ADD body for ids [n] i64, vectors [n, dim], payload kinds [n] u8 and bytes.
+
+    ``tokens``: None, or per item its token ids (int32 [m]) or None (the sidecar tokenizes a
+    text payload when it has a tokenizer); the request then needs flag ADD_HAS_TOKENS."""
     n, dim = vectors.shape
     blob_len = sum(len(b) for b in blobs)
-    size = 16 + sb.nbytes + n * 8 + _pad8(vectors.nbytes) + _pad8(n) + (n + 1) * 8 + blob_len
+    n_tokens = -1 if tokens is None else sum(0 if t is None else len(t) for t in tokens)
+    size = _add_size(n, vectors.nbytes, blob_len, sb, n_tokens)
     _fit(size, len(buf), f"add of {n} items")
     _HEAD4.pack_into(buf, 0, n, dim, wire_dtype(vectors.dtype), 0)
     off = write_scope(buf, 16, sb)
@@ -310,6 +336,24 @@ def encode_add(
     else:
         offsets[1:] = 0
     off += (n + 1) * 8
+    if tokens is not None:
+        has = buf[off : off + _pad8(n)]
+        has[:] = 0
+        has[:n] = [t is not None for t in tokens]
+        off += _pad8(n)
+        tok_offsets = buf[off : off + (n + 1) * 8].view(np.uint64)
+        tok_offsets[0] = 0
+        np.cumsum([0 if t is None else len(t) for t in tokens], out=tok_offsets[1:])
+        off += (n + 1) * 8
+        ids32 = buf[off : off + 4 * n_tokens].view(np.int32)
+        pos = 0
+        for t in tokens:
+            if t is not None and len(t):
+                ids32[pos : pos + len(t)] = t
+                pos += len(t)
+        off += 4 * n_tokens
+        buf[off : off + _pad8(4 * n_tokens) - 4 * n_tokens] = 0
+        off = _pad8(off)
     if blob_len:
         buf[off : off + blob_len] = np.frombuffer(b"".join(blobs), np.uint8)
     return size
@@ -322,9 +366,12 @@ class AddRequest(NamedTuple):
     offsets: np.ndarray  # [n+1] u64 view, relative to blob
     blob: np.ndarray  # u8 view
     scope: Scope
+    # With flag ADD_HAS_TOKENS, per item its token ids (an int32 view into the request), or
+    # None (tokenize, when the sidecar can); without the flag: None.
+    tokens: list[np.ndarray | None] | None = None
 
 
-def decode_add(buf: np.ndarray, end: int) -> AddRequest:
+def decode_add(buf: np.ndarray, end: int, flags: int = 0) -> AddRequest:
     _need(16, end)
     n, dim, dtype, _ = _HEAD4.unpack_from(buf, 0)
     scope, off = read_scope(buf, 16, end)
@@ -339,6 +386,9 @@ def decode_add(buf: np.ndarray, end: int) -> AddRequest:
     off += _pad8(n)
     offsets = _array(buf, off, np.dtype(np.uint64), n + 1, end)
     off += (n + 1) * 8
+    tokens = None
+    if flags & codes.ADD_HAS_TOKENS:
+        tokens, off = _decode_add_tokens(buf, off, n, end)
     blob = buf[off:end]
     if offsets[0] != 0 or bool((offsets[1:] < offsets[:-1]).any()):
         raise InvalidRequest("payload offsets are not ascending from 0")
@@ -347,7 +397,32 @@ def decode_add(buf: np.ndarray, end: int) -> AddRequest:
     if bool((kinds > codes.PAYLOAD_BYTES).any()):
         raise InvalidRequest("unknown payload kind")
     _check_text(kinds, offsets, blob)
-    return AddRequest(ids, vectors, kinds, offsets, blob, scope)
+    return AddRequest(ids, vectors, kinds, offsets, blob, scope, tokens)
+
+
+def _decode_add_tokens(
+    buf: np.ndarray, off: int, n: int, end: int
+) -> tuple[list[np.ndarray | None], int]:
+    has = _array(buf, off, np.dtype(np.uint8), n, end)
+    off += _pad8(n)
+    bounds = _array(buf, off, np.dtype(np.uint64), n + 1, end)
+    off += (n + 1) * 8
+    if bounds[0] != 0 or bool((bounds[1:] < bounds[:-1]).any()):
+        raise InvalidRequest("token offsets are not ascending from 0")
+    total = int(bounds[-1])
+    if total > (end - off) // 4:
+        raise InvalidRequest("token offsets point outside the request")
+    ids = _array(buf, off, np.dtype(np.int32), total, end)
+    b = bounds.tolist()
+    tokens: list[np.ndarray | None] = []
+    for i, flag in enumerate(has.tolist()):
+        if flag:
+            tokens.append(ids[b[i] : b[i + 1]])
+        elif b[i + 1] != b[i]:
+            raise InvalidRequest(f"item {i} has token ids but is not marked as having them")
+        else:
+            tokens.append(None)
+    return tokens, off + _pad8(4 * total)
 
 
 def _check_text(kinds: np.ndarray, offsets: np.ndarray, blob: np.ndarray) -> None:
@@ -894,6 +969,227 @@ def decode_events_response(
     except UnicodeDecodeError as exc:
         raise InvalidRequest("an event is not valid UTF-8") from exc
     return out, bool(more)
+
+
+# -- RECALL ----------------------------------------------------------------------------------
+#
+# RECALL: u32 k, u32 dim, u32 dtype, u32 max_tokens, u32 max_turns (NO_LIMIT: none),
+# u32 memory_tokens (NO_LIMIT: no cap but the budget), u32 session_len, u32 0, scope block
+# (the memory filter; its tenant and user also filter the session), session id bytes padded
+# to 8, query dtype[dim] padded to 8. Flag RecallFlag.GPU_RESULT: the token ids go into the
+# channel's GPU buffer.
+# Response: u32 k, u32 n_hits, u32 n_tokens, u32 flags (RecallResponseFlag), u32 system_tokens,
+# u32 n_turns, u32 turn_tokens, u32 0, u64 context_ns, u64 search_ns, u64 assemble_ns,
+# f32 scores[k] padded to 8, i64 ids[k], i32 memory_tokens[k] padded to 8 (token ids of each
+# hit in the assembly; 0: none or not included), u8 kinds[k] padded to 8, u64 offsets[k+1],
+# i32 tokens[n_tokens] padded to 8 (absent with TOKENS_ON_GPU), payload bytes. The token ids
+# are [system prompt] + [included memories, best hit first] + [turns, oldest first].
+
+_RECALL_HEAD = struct.Struct("<IIIIIIII")
+_RECALL_RESP_HEAD = struct.Struct("<IIIIIIIIQQQ")  # 56 bytes
+_RECALL_PARTS = struct.Struct("<QQQ")
+RECALL_PARTS_AT = 32  # offset of context_ns, search_ns, assemble_ns in a RECALL response
+
+
+def recall_request_size(dim: int, itemsize: int, session_len: int, sb: ScopeBytes) -> int:
+    return 32 + sb.nbytes + _pad8(session_len) + _pad8(dim * itemsize)
+
+
+def encode_recall(
+    buf: np.ndarray,
+    session: bytes,
+    query: np.ndarray,
+    k: int,
+    max_tokens: int,
+    max_turns: int,
+    memory_tokens: int,
+    sb: ScopeBytes,
+) -> int:
+    """Writes a RECALL body (query: [dim] or [1, dim] f32 or f16, C-contiguous; max_turns and
+    memory_tokens NO_LIMIT for none); returns its length."""
+    q = query.reshape(-1)
+    size = recall_request_size(len(q), q.itemsize, len(session), sb)
+    _fit(size, len(buf), "recall request")
+    _RECALL_HEAD.pack_into(
+        buf, 0, k, len(q), wire_dtype(q.dtype), max_tokens, max_turns, memory_tokens,
+        len(session), 0,
+    )  # fmt: skip
+    off = _put_bytes(buf, write_scope(buf, 32, sb), session)
+    buf[off : off + q.nbytes].view(q.dtype)[:] = q
+    return size
+
+
+class RecallRequest(NamedTuple):
+    session: str
+    query: np.ndarray  # [1, dim] view into the request arena
+    k: int
+    max_tokens: int
+    max_turns: int | None
+    memory_tokens: int | None  # cap on the memories' token ids; None: the budget alone
+    scope: Scope  # memory filter; its tenant and user also filter the session
+
+
+def decode_recall(buf: np.ndarray, end: int) -> RecallRequest:
+    _need(32, end)
+    k, dim, dtype, max_tokens, max_turns, memory_tokens, session_len, _ = _RECALL_HEAD.unpack_from(
+        buf, 0
+    )
+    scope, off = read_scope(buf, 32, end)
+    session = _text_at(buf, off, session_len, end, "the session id")
+    if not session:
+        raise InvalidRequest("a session id is required")
+    off += _pad8(session_len)
+    if dim == 0:
+        raise InvalidRequest("recall needs a query of dimension > 0")
+    q = _array(buf, off, vector_dtype(dtype), dim, end).reshape(1, dim)
+    return RecallRequest(
+        session,
+        q,
+        k,
+        max_tokens,
+        None if max_turns == NO_LIMIT else max_turns,
+        None if memory_tokens == NO_LIMIT else memory_tokens,
+        scope,
+    )
+
+
+def recall_response_size(k: int, blob_len: int, n_tokens: int) -> int:
+    """Bytes of a RECALL response of ``k`` hits, ``blob_len`` payload bytes and ``n_tokens``
+    token ids in the body (0 when they go to the GPU)."""
+    return 56 + _pad8(4 * k) + 8 * k + _pad8(4 * k) + _pad8(k) + 8 * (k + 1) + _pad8(
+        4 * n_tokens
+    ) + blob_len  # fmt: skip
+
+
+def encode_recall_response(
+    buf: np.ndarray,
+    scores: np.ndarray,
+    ids: np.ndarray,
+    memory_tokens: Sequence[int],
+    payloads: Sequence[tuple[int, bytes]],
+    pieces: Sequence[bytes | memoryview] | None,
+    *,
+    n_tokens: int,
+    system_tokens: int,
+    n_turns: int,
+    turn_tokens: int,
+    flags: int,
+) -> int:
+    """Writes a RECALL response without its parts' timings (:func:`set_recall_parts`).
+
+    ``scores`` [k] f32, ``ids`` [k] i64, ``memory_tokens`` [k], ``payloads`` (kind, bytes) per
+    hit; ``pieces``: the token ids as int32 bytes, in order (system prompt, memories, turns),
+    one copy each, ``n_tokens`` ids in all; None: they are on the GPU (flag TOKENS_ON_GPU).
+    Built with struct and memoryview copies: a handful of numpy calls would cost more than
+    the whole of a small response (k = 5).
+    """
+    k = len(ids)
+    datas = [p[1] for p in payloads]
+    blob_len = sum(map(len, datas))
+    in_body = 0 if pieces is None else n_tokens
+    size = recall_response_size(k, blob_len, in_body)
+    if size > len(buf):
+        _fit(size, len(buf), "recall response")
+    id_list = ids.tolist()
+    n_hits = k - id_list.count(-1)
+    mv = memoryview(buf)
+    _RECALL_RESP_HEAD.pack_into(
+        buf, 0, k, n_hits, n_tokens, flags, system_tokens, n_turns, turn_tokens, 0, 0, 0, 0
+    )
+    off = 56
+    pad = _pad8(4 * k) - 4 * k
+    mv[off : off + 4 * k] = np.ascontiguousarray(scores, "<f4").tobytes()
+    mv[off + 4 * k : off + 4 * k + pad] = b"\0\0\0\0"[:pad]
+    off += 4 * k + pad
+    struct.pack_into(f"<{k}q", buf, off, *id_list)
+    off += 8 * k
+    struct.pack_into(f"<{k}i{pad}x", buf, off, *memory_tokens)
+    off += 4 * k + pad
+    kpad = _pad8(k)
+    mv[off : off + kpad] = bytes([p[0] for p in payloads]).ljust(kpad, b"\0")
+    off += kpad
+    bounds = [0]
+    for d in datas:
+        bounds.append(bounds[-1] + len(d))
+    struct.pack_into(f"<{k + 1}Q", buf, off, *bounds)
+    off += 8 * (k + 1)
+    if pieces is not None:
+        pos = off
+        for piece in pieces:
+            end = pos + len(piece)
+            mv[pos:end] = piece
+            pos = end
+        if pos != off + 4 * n_tokens:
+            raise ValueError("the token pieces do not add up to n_tokens")
+        off = _pad8(pos)
+        mv[pos:off] = b"\0\0\0\0"[: off - pos]
+    if blob_len:
+        mv[off : off + blob_len] = b"".join(datas)
+    return size
+
+
+def set_recall_parts(buf: np.ndarray, context_ns: int, search_ns: int, assemble_ns: int) -> None:
+    """Writes the sidecar's time per part into an encoded RECALL response."""
+    _RECALL_PARTS.pack_into(buf, RECALL_PARTS_AT, context_ns, search_ns, assemble_ns)
+
+
+class RecallResponse(NamedTuple):
+    scores: np.ndarray  # [k] f32 view
+    ids: np.ndarray  # [k] i64 view
+    memory_tokens: np.ndarray  # [k] i32 view
+    tokens: np.ndarray | None  # [n_tokens] i32 view; None: on the GPU
+    payloads: list[str | bytes | None]  # k entries
+    n_hits: int
+    n_tokens: int
+    flags: int  # RecallResponseFlag
+    system_tokens: int
+    n_turns: int
+    turn_tokens: int
+    context_ns: int
+    search_ns: int
+    assemble_ns: int
+
+
+def decode_recall_response(buf: np.ndarray, end: int) -> RecallResponse:
+    _need(56, end)
+    (k, n_hits, n_tokens, flags, system_tokens, n_turns, turn_tokens, _,
+     context_ns, search_ns, assemble_ns) = _RECALL_RESP_HEAD.unpack_from(buf, 0)  # fmt: skip
+    at_ids = 56 + _pad8(4 * k)
+    at_counts = at_ids + 8 * k
+    at_kinds = at_counts + _pad8(4 * k)
+    at_offsets = at_kinds + _pad8(k)
+    off = at_offsets + 8 * (k + 1)
+    _need(off, end)
+    scores = np.frombuffer(buf, np.float32, k, 56)  # views: no copy
+    ids = np.frombuffer(buf, np.int64, k, at_ids)
+    memory_tokens = np.frombuffer(buf, np.int32, k, at_counts)
+    tokens = None
+    if not flags & codes.RecallResponseFlag.TOKENS_ON_GPU:
+        _need(off + 4 * n_tokens, end)
+        tokens = np.frombuffer(buf, np.int32, n_tokens, off)
+        off += _pad8(4 * n_tokens)
+    kinds = bytes(buf[at_kinds : at_kinds + k])
+    bounds = struct.unpack_from(f"<{k + 1}Q", buf, at_offsets)
+    if bounds[0] != 0 or any(bounds[i + 1] < bounds[i] for i in range(k)):
+        raise InvalidRequest("payload offsets are not ascending from 0")
+    _need(off + bounds[-1], end)
+    blob = bytes(buf[off : off + bounds[-1]])
+    payloads: list[str | bytes | None] = []
+    try:
+        for i in range(k):
+            kind = kinds[i]
+            if kind == codes.PAYLOAD_TEXT:
+                payloads.append(blob[bounds[i] : bounds[i + 1]].decode())
+            elif kind == codes.PAYLOAD_BYTES:
+                payloads.append(blob[bounds[i] : bounds[i + 1]])
+            else:
+                payloads.append(None)
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest("a text payload is not valid UTF-8") from exc
+    return RecallResponse(
+        scores, ids, memory_tokens, tokens, payloads, n_hits, n_tokens, flags, system_tokens,
+        n_turns, turn_tokens, context_ns, search_ns, assemble_ns,
+    )  # fmt: skip
 
 
 class SessionInfo(NamedTuple):

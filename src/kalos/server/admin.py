@@ -266,10 +266,12 @@ class SidecarCollector:
         for reason in ("starting", "busy"):
             refusals.add_metric((reason,), rejected.get(reason, 0))
         yield refusals
+        grpc = getattr(sc, "grpc", None)
         yield CounterMetricFamily(
             "kalos_client_connects",
-            "Handshakes accepted (each client thread connects once; a reconnect counts again)",
-            value=listener.connects if listener else 0,
+            "Handshakes accepted (each client thread connects once; a reconnect counts again; "
+            "grpc Hello calls included)",
+            value=(listener.connects if listener else 0) + (grpc.connects if grpc else 0),
         )
         yield CounterMetricFamily(
             "kalos_client_disconnects",
@@ -304,6 +306,7 @@ class SidecarCollector:
             ("items", "Memory items in the index"),
             ("index_bytes", "Bytes held by the vector index"),
             ("payload_bytes", "Bytes of memory payloads"),
+            ("memory_token_bytes", "Bytes of memories' token ids (int32)"),
             ("sessions", "Sessions (context buffers)"),
             ("session_turns", "Turns held in all sessions"),
             ("session_tokens", "Token ids held in all sessions"),

@@ -50,6 +50,13 @@ class SidecarConfig:
     # default port); an explicit port that is taken stops the start.
     admin_port: int | None = None
     admin_port_strict: bool = True
+    # grpc listeners (kalos.server.grpc_server) for clients on other hosts: host:port,
+    # [::]:port or unix:/path each; none by default. Port 0 picks a free port (STATS "grpc").
+    # Without TLS a grpc listener must only be reachable from trusted networks.
+    grpc: tuple[str, ...] = ()
+    grpc_tls_cert: str | None = None  # PEM certificate chain and key: TLS on every listener
+    grpc_tls_key: str | None = None
+    grpc_tls_client_ca: str | None = None  # mutual TLS: clients need a certificate it signed
 
     def __post_init__(self) -> None:
         check_name(self.name)
@@ -68,6 +75,15 @@ class SidecarConfig:
             raise ConfigError("snapshot_bytes must be positive and wal_segment_bytes >= 4096")
         if self.admin_port is not None and not 0 <= self.admin_port <= 65535:
             raise ConfigError(f"admin_port must be between 0 and 65535, got {self.admin_port}")
+        for address in self.grpc:
+            if not isinstance(address, str) or address in ("", "unix:") or ":" not in address:
+                raise ConfigError(f"bad grpc address {address!r}: use host:port or unix:/path")
+        if (self.grpc_tls_cert is None) != (self.grpc_tls_key is None):
+            raise ConfigError("--grpc-tls-cert and --grpc-tls-key go together")
+        if self.grpc_tls_client_ca is not None and self.grpc_tls_cert is None:
+            raise ConfigError("--grpc-tls-client-ca needs --grpc-tls-cert and --grpc-tls-key")
+        if self.grpc_tls_cert is not None and not self.grpc:
+            raise ConfigError("the grpc TLS options need a grpc listener (--grpc ADDR)")
 
     @property
     def index_spec(self) -> str:

@@ -30,6 +30,7 @@ from kalos.protocol import codes
 from kalos.protocol import messages as M
 from kalos.protocol.codes import Op, Status
 from kalos.stores.memories import MemoryStore
+from kalos.stores.recall import recall
 from kalos.stores.sessions import SessionStore
 from kalos.stores.state import StateStore
 
@@ -68,6 +69,9 @@ _PIN_SYSTEM = int(codes.AppendFlag.PIN_SYSTEM)
 _SET_ROLLING = int(codes.AppendFlag.SET_ROLLING)
 _ROLLING = int(codes.AppendFlag.ROLLING)
 _TURNS = int(codes.ContextFlag.TURNS)
+_RECALL_GPU = int(codes.RecallFlag.GPU_RESULT)
+_RECALL_SYSTEM = int(codes.RecallResponseFlag.SYSTEM)
+_RECALL_ON_GPU = int(codes.RecallResponseFlag.TOKENS_ON_GPU)
 
 
 def status_for(exc: KalosError) -> Status:
@@ -120,6 +124,7 @@ class Dispatcher:
             Op.LOG_EVENT: self._log_event,
             Op.EVENTS: self._events,
             Op.FORGET: self._forget,
+            Op.RECALL: self._recall,
         }
 
     def info(self) -> dict[str, Any]:
@@ -194,9 +199,9 @@ class Dispatcher:
         return n, _monotonic_ns() - t
 
     def _add(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
-        req = M.decode_add(body, len(body))
+        req = M.decode_add(body, len(body), flags)
         added, replaced = self.memories.add(
-            req.ids, req.vectors, req.kinds, req.offsets, req.blob, req.scope
+            req.ids, req.vectors, req.kinds, req.offsets, req.blob, req.scope, req.tokens
         )
         return M.encode_counts(out, added, replaced), 0
 
@@ -257,6 +262,45 @@ class Dispatcher:
         t = _monotonic_ns()
         n = M.encode_context_response(out, tokens, meta, text, system, bool(flags & _TURNS))
         return n, _monotonic_ns() - t
+
+    def _recall(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
+        """The session's context and the top-k memories as one token sequence
+        (kalos.stores.recall); with RecallFlag.GPU_RESULT the token ids go into the channel's
+        GPU result buffer and the response carries the rest."""
+        req = M.decode_recall(body, len(body))
+        to_gpu = bool(flags & _RECALL_GPU)
+        buffer = self.gpu_buffer
+        if to_gpu:
+            if buffer is None:
+                raise InvalidRequest(
+                    "this channel has no GPU result buffer: connect with gpu_results=True to a "
+                    "sidecar whose index is on a GPU"
+                )
+            if req.max_tokens > buffer.max_tokens:
+                raise InvalidRequest(
+                    f"a GPU-result recall takes max_tokens <= {buffer.max_tokens} (the GPU "
+                    f"buffer's token slots), got {req.max_tokens}"
+                )
+        plan = recall(self.memories, self.sessions, req, now=self.now_ns * 1e-9)
+        t = _monotonic_ns()
+        if to_gpu:
+            buffer.write_tokens(plan.pieces, plan.n_tokens)
+        n = M.encode_recall_response(
+            out,
+            plan.scores,
+            plan.ids,
+            plan.memory_tokens,
+            plan.payloads,
+            None if to_gpu else plan.pieces,
+            n_tokens=plan.n_tokens,
+            system_tokens=plan.system_tokens,
+            n_turns=plan.n_turns,
+            turn_tokens=plan.turn_tokens,
+            flags=(_RECALL_SYSTEM if plan.system else 0) | (_RECALL_ON_GPU if to_gpu else 0),
+        )
+        write_ns = _monotonic_ns() - t
+        M.set_recall_parts(out, plan.context_ns, plan.search_ns, plan.assemble_ns + write_ns)
+        return n, write_ns
 
     def _sessions(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
         scope, limit, after = M.decode_sessions(body, len(body))

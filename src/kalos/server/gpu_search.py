@@ -4,9 +4,10 @@ A search on a ``cuda`` sidecar never moves the index: the query (a few hundred b
 the GPU and the top-k comes back. Each (batch, k, filtered, destination) shape is captured
 once as a CUDA graph that does, in one launch:
 
-    host-result mode:  pinned query → device, fused scan + top-k, device → pinned results
-    GPU-result mode:   pinned query (or the client's GPU query) → device, scan + top-k,
-                       results → the channel's GPU result buffer (device to device)
+    host-result mode:  pinned query → device, fused scan + top-k, the merge writing the
+                       top-k straight into pinned host memory
+    GPU-result mode:   pinned query → device (or the client's GPU query, read in place),
+                       scan + top-k, the merge writing into the channel's GPU result buffer
 
 then the poller waits for the stream and publishes the response. In GPU-result mode nothing
 of the results crosses PCIe: the client reads them as torch tensors over the channel's GPU
@@ -15,17 +16,19 @@ buffer, which it mapped once through CUDA IPC (:mod:`kalos.gpu.cuda_ipc`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from kalos.errors import ConfigError
+from kalos.errors import ConfigError, InvalidRequest
 from kalos.gpu import cuda_ipc
 from kalos.index.cuda_flat import CudaFlatIndex, SearchGraph
 
 # Per-channel GPU result buffer: room for this many queries and hits (nq * k).
 GPU_MAX_QUERIES = 64
 GPU_MAX_HITS = 16384
+GPU_MAX_TOKENS = 131072  # token ids of one GPU-result recall (int32: 512 KiB)
 _ALIGN = 256
 
 
@@ -34,24 +37,34 @@ def _align(n: int) -> int:
 
 
 class GpuResultBuffer:
-    """One channel's GPU memory: query slots, result ids and scores, exported by CUDA IPC.
+    """One channel's GPU memory: query slots, result ids and scores, recall token ids,
+    exported by CUDA IPC.
 
     Layout (bytes, each part 256-aligned): ``query f32[GPU_MAX_QUERIES, dim]``,
-    ``ids i64[GPU_MAX_HITS]``, ``scores f32[GPU_MAX_HITS]``. A result of nq x k fills the
-    first nq*k entries of ids and scores, row-major.
+    ``ids i64[GPU_MAX_HITS]``, ``scores f32[GPU_MAX_HITS]``, ``tokens i32[GPU_MAX_TOKENS]``.
+    A result of nq x k fills the first nq*k entries of ids and scores, row-major; a recall of
+    n token ids the first n tokens. ``staging``: pinned int32 host memory of at least
+    GPU_MAX_TOKENS, shared by the buffers of one sidecar (dispatch is serial).
     """
 
-    def __init__(self, dim: int, device: int) -> None:
+    max_tokens = GPU_MAX_TOKENS
+
+    def __init__(self, dim: int, device: int, staging: Any = None) -> None:
+        import torch
+
         self.device = device
         self.dim = dim
         self.query_offset = 0
         self.ids_offset = _align(GPU_MAX_QUERIES * dim * 4)
         self.scores_offset = self.ids_offset + _align(GPU_MAX_HITS * 8)
-        self.nbytes = self.scores_offset + _align(GPU_MAX_HITS * 4)
+        self.tokens_offset = self.scores_offset + _align(GPU_MAX_HITS * 4)
+        self.nbytes = self.tokens_offset + _align(GPU_MAX_TOKENS * 4)
+        if staging is None:
+            staging = torch.zeros(GPU_MAX_TOKENS, dtype=torch.int32).pin_memory()
+        self._token_staging = staging
+        self._token_staging_mv = memoryview(staging.numpy()).cast("B")
         self.ptr = cuda_ipc.mem_alloc(self.nbytes)
         self.handle = cuda_ipc.ipc_handle(self.ptr)
-        import torch
-
         self.query = cuda_ipc.tensor_at(self.ptr, (GPU_MAX_QUERIES, dim), torch.float32, device)
         self.ids = cuda_ipc.tensor_at(
             self.ptr + self.ids_offset, (GPU_MAX_HITS,), torch.int64, device
@@ -59,6 +72,10 @@ class GpuResultBuffer:
         self.scores = cuda_ipc.tensor_at(
             self.ptr + self.scores_offset, (GPU_MAX_HITS,), torch.float32, device
         )
+        self.tokens = cuda_ipc.tensor_at(
+            self.ptr + self.tokens_offset, (GPU_MAX_TOKENS,), torch.int32, device
+        )
+        self._stream = torch.cuda.current_stream
         self.graphs: dict[tuple[int, int, bool, bool], _DeviceResultGraph] = {}
 
     def describe(self) -> dict[str, Any]:
@@ -73,7 +90,24 @@ class GpuResultBuffer:
             "query_offset": self.query_offset,
             "ids_offset": self.ids_offset,
             "scores_offset": self.scores_offset,
+            "max_tokens": GPU_MAX_TOKENS,
+            "tokens_offset": self.tokens_offset,
         }
+
+    def write_tokens(self, pieces: Sequence[bytes | memoryview], n: int) -> None:
+        """Copies a recall's token ids (int32 bytes, ``n`` ids in all, in order) into
+        ``tokens[:n]``: gathered into pinned memory, one host-to-device copy, and the stream
+        waited for, so they are complete when the response is published."""
+        if n > GPU_MAX_TOKENS:
+            raise InvalidRequest(f"{n} token ids exceed the {GPU_MAX_TOKENS} GPU token slots")
+        mv = self._token_staging_mv
+        pos = 0
+        for piece in pieces:
+            mv[pos : pos + len(piece)] = piece
+            pos += len(piece)
+        if n:
+            self.tokens[:n].copy_(self._token_staging[:n], non_blocking=True)
+            self._stream(self.device).synchronize()
 
     def free(self) -> None:
         self.graphs.clear()
@@ -82,56 +116,96 @@ class GpuResultBuffer:
             self.ptr = 0
 
 
+class _Inputs:
+    """A graph's device copy of the staged request block (scope, then queries), moved by one
+    memcpy node: ``scope`` [3] int64 and ``query`` [nq, dim] fp32 views of it."""
+
+    def __init__(self, staging: Staging, nq: int, with_queries: bool) -> None:
+        import torch
+
+        self.src = staging.block[
+            : staging.QUERY_OFFSET + (nq * staging.dim * 4 if with_queries else 0)
+        ]
+        self.block = torch.empty(len(self.src), dtype=torch.uint8, device=staging.device)
+        self.scope = self.block[:24].view(torch.int64)
+        self.query = (
+            self.block[staging.QUERY_OFFSET :].view(torch.float32).view(nq, staging.dim)
+            if with_queries
+            else None
+        )
+
+    def copy(self) -> None:
+        self.block.copy_(self.src, non_blocking=True)
+
+
 class _HostResultGraph(SearchGraph):
-    """Pinned query in, pinned results out, the fused search in between: one graph launch."""
+    """Pinned request in, pinned results out, the fused search in between: one graph launch.
+
+    The scope and query go to the device in one memcpy node; the merge kernel writes the
+    top-k straight into the pinned staging buffers (unified addressing), with no copy node
+    back. Measured on the H200 (bench/search_gpu_overhead.py, replay + sync at 100K x 128):
+    three copy nodes 38.7 µs; results written to pinned memory 30.4 µs. Letting the kernels
+    read the query from pinned memory too was slower (37.1 µs): every program of the scan
+    pulls it across PCIe before its first tile."""
 
     def __init__(self, index: CudaFlatIndex, nq: int, k: int, scoped: bool, staging: Staging):
-        self.staging = staging
-        super().__init__(index, nq, k, scoped)
+        self.inputs = _Inputs(staging, nq, True)
+        m = nq * k
+        super().__init__(
+            index, nq, k, scoped,
+            query=self.inputs.query,
+            scope=self.inputs.scope,
+            scores=staging.scores[:m].view(nq, k),
+            ids=staging.ids[:m].view(nq, k),
+        )  # fmt: skip
 
     def _run(self) -> None:
-        s, nq, k = self.staging, self.nq, self.k
-        self.query.copy_(s.query[:nq], non_blocking=True)
-        if self.scope_active:
-            self.scope.copy_(s.scope, non_blocking=True)
+        self.inputs.copy()
         super()._run()
-        s.scores[: nq * k].view(nq, k).copy_(self.scores, non_blocking=True)
-        s.ids[: nq * k].view(nq, k).copy_(self.ids, non_blocking=True)
 
 
 class _DeviceResultGraph(SearchGraph):
-    """Query from pinned memory or the channel's GPU slots; results into the channel's GPU
-    buffer. No device-to-host copy."""
+    """The request from pinned memory (one memcpy node; the scope alone when the query is
+    read in place from the channel's GPU query slots); the top-k written straight into the
+    channel's GPU buffer. No copy back."""
 
     def __init__(self, index: CudaFlatIndex, nq: int, k: int, scoped: bool, staging: Staging,
                  buffer: GpuResultBuffer, gpu_query: bool) -> None:  # fmt: skip
-        self.staging = staging
-        self.buffer = buffer
-        self.gpu_query = gpu_query
-        super().__init__(index, nq, k, scoped)
+        self.inputs = _Inputs(staging, nq, not gpu_query)
+        m = nq * k
+        super().__init__(
+            index, nq, k, scoped,
+            query=buffer.query[:nq] if gpu_query else self.inputs.query,
+            scope=self.inputs.scope,
+            scores=buffer.scores[:m].view(nq, k),
+            ids=buffer.ids[:m].view(nq, k),
+        )  # fmt: skip
 
     def _run(self) -> None:
-        s, b, nq, k = self.staging, self.buffer, self.nq, self.k
-        self.query.copy_(b.query[:nq] if self.gpu_query else s.query[:nq], non_blocking=True)
-        if self.scope_active:
-            self.scope.copy_(s.scope, non_blocking=True)
+        self.inputs.copy()
         super()._run()
-        b.scores[: nq * k].view(nq, k).copy_(self.scores, non_blocking=True)
-        b.ids[: nq * k].view(nq, k).copy_(self.ids, non_blocking=True)
 
 
 class Staging:
-    """Pinned host buffers the graphs copy from and to (allocated once)."""
+    """Pinned host memory the graphs copy from and write into (allocated once).
 
-    def __init__(self, dim: int, max_batch: int) -> None:
+    ``block``: the request, scope ([3] int64 at 0) then queries ([max_batch, dim] fp32 at
+    ``QUERY_OFFSET``), so that one copy moves both; ``scores`` and ``ids``: the top-k."""
+
+    QUERY_OFFSET = 32
+
+    def __init__(self, dim: int, max_batch: int, device: Any) -> None:
         import torch
 
-        self.query = torch.zeros((max_batch, dim), dtype=torch.float32).pin_memory()
-        self.scope = torch.zeros(3, dtype=torch.int64).pin_memory()
+        self.dim = dim
+        self.device = device
+        self.block = torch.zeros(self.QUERY_OFFSET + max_batch * dim * 4, dtype=torch.uint8)
+        self.block = self.block.pin_memory()
         self.scores = torch.zeros(max_batch * 1024, dtype=torch.float32).pin_memory()
         self.ids = torch.zeros(max_batch * 1024, dtype=torch.int64).pin_memory()
-        self.query_np = self.query.numpy()
-        self.scope_np = self.scope.numpy()
+        block = self.block.numpy()
+        self.scope_np = block[:24].view(np.int64)
+        self.query_np = block[self.QUERY_OFFSET :].view(np.float32).reshape(max_batch, dim)
         self.scores_np = self.scores.numpy()
         self.ids_np = self.ids.numpy()
 
@@ -149,7 +223,9 @@ class GpuSearch:
         self.device = index.device.index or 0
         cuda_ipc.ensure_context(self.device)
         self.max_batch = min(index._max_batch, GPU_MAX_QUERIES)
-        self.staging = Staging(index.dim, self.max_batch)
+        self.staging = Staging(index.dim, self.max_batch, index.device)
+        # Recall token ids on their way into a channel's GPU buffer (dispatch is serial).
+        self.token_staging = torch.zeros(GPU_MAX_TOKENS, dtype=torch.int32).pin_memory()
         # Replays run on torch's current stream, the one index adds and removes are queued
         # on, so a search always sees every write before it.
         self.stream = torch.cuda.current_stream(index.device)
@@ -158,13 +234,12 @@ class GpuSearch:
     def new_result_buffer(self) -> GpuResultBuffer:
         """A GPU result buffer for a new channel (called from the listener's thread)."""
         cuda_ipc.ensure_context(self.device)
-        return GpuResultBuffer(self.index.dim, self.device)
+        return GpuResultBuffer(self.index.dim, self.device, self.token_staging)
 
     def _stage(self, queries: np.ndarray | None, scope: tuple[int, int, int] | None) -> None:
         if queries is not None:
             self.staging.query_np[: len(queries)] = queries
-        if scope is not None:
-            self.staging.scope_np[:] = scope
+        self.staging.scope_np[:] = (0, 0, 0) if scope is None else scope
 
     def search(
         self, queries: np.ndarray, k: int, scope: tuple[int, int, int] | None

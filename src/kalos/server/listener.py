@@ -159,7 +159,7 @@ class Listener:
             self.rejected["starting"] += 1
             send_message(conn, {"ok": False, "error": "starting", "message": message})
             return
-        reply = self._negotiate(hello)
+        reply = self.negotiate(hello)
         if not reply["ok"]:
             self.rejected[reply["error"]] += 1
             send_message(conn, reply)
@@ -200,7 +200,10 @@ class Listener:
                 with self._lock:
                     ch.gpu.free()
 
-    def _negotiate(self, hello: dict[str, Any]) -> dict[str, Any]:
+    def negotiate(
+        self, hello: dict[str, Any], transports: tuple[str, ...] = ("shm", "uds")
+    ) -> dict[str, Any]:
+        """The reply to a client's handshake ``hello`` asking for one of ``transports``."""
         major, minor = PROTOCOL_VERSION
         theirs = hello.get("protocol")
         if (
@@ -218,11 +221,11 @@ class Listener:
                 "protocol": [major, minor],
                 "message": message,
             }
-        if hello.get("transport") not in ("shm", "uds"):
+        if hello.get("transport") not in transports:
             return {
                 "ok": False,
                 "error": "bad_transport",
-                "message": "transport must be shm or uds",
+                "message": f"transport must be {' or '.join(transports)}",
             }
         if len(self._poller.channels) >= self.config.max_channels:
             return {"ok": False, "error": "busy", "message": "too many channels"}

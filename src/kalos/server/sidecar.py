@@ -34,6 +34,7 @@ from kalos.server.config import SidecarConfig
 if TYPE_CHECKING:
     from kalos.server.admin import AdminServer
     from kalos.server.gpu_search import GpuSearch
+    from kalos.server.grpc_server import GrpcServer
 from kalos.server.dispatch import Dispatcher
 from kalos.server.durability import Durability
 from kalos.server.listener import Listener
@@ -83,9 +84,12 @@ class Sidecar:
         self.epoch = secrets.randbits(63) or 1
         self._threadpools = threadpool_limits(limits=config.compute_threads)
         self.path = socket_path(config.name, config.runtime_dir)
+        # One tokenizer for turns and memories sent without token ids.
+        tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer is not None else None
         self.memories = MemoryStore(
             index.create(config.index_spec, dim=config.dim, metric=config.metric),
             limits=config.limits,
+            tokenizer=tokenizer,
         )
         if config.reserve and hasattr(self.memories.index, "reserve"):
             self.memories.index.reserve(config.reserve)
@@ -100,10 +104,7 @@ class Sidecar:
             name=config.name,
             device=config.device,
             extra_stats=self._stats,
-            sessions=SessionStore(
-                config.limits,
-                load_tokenizer(config.tokenizer) if config.tokenizer is not None else None,
-            ),
+            sessions=SessionStore(config.limits, tokenizer),
             state=StateStore(config.limits),
         )
         self.durability: Durability | None = None
@@ -156,6 +157,7 @@ class Sidecar:
             self.durability.on_durable = self.poller.wake  # a commit landed: release writes
         self._handle = handle
         self.listener: Listener | None = None
+        self.grpc: GrpcServer | None = None  # with config.grpc (kalos serve --grpc ADDR)
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
         self.admin: AdminServer | None = None  # /healthz, /readyz, /metrics on 127.0.0.1
@@ -173,6 +175,7 @@ class Sidecar:
             "connects": listener.connects if listener else 0,
             "refused": listener.refused if listener else 0,
             "admin_port": self.admin.port if self.admin is not None else None,
+            "grpc": list(self.grpc.addresses) if self.grpc is not None else [],
             **({"durability": self.durability.stats()} if self.durability is not None else {}),
         }
 
@@ -206,10 +209,20 @@ class Sidecar:
         self.listener.gpu = self.gpu
         self.listener.metrics = self.admin.metrics if self.admin is not None else None
         self.listener.start()
+        if self.config.grpc:
+            try:
+                self._open_grpc(self.listener)
+            except BaseException:
+                self.listener.close()
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path)
+                raise
         if self.durability is not None:
             try:
                 self.durability.recover()  # clients are held, then refused "starting", meanwhile
             except BaseException:
+                if self.grpc is not None:
+                    self.grpc.close()
                 self.listener.close()
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.path)
@@ -224,6 +237,23 @@ class Sidecar:
             self.config.dim,
             self.config.metric,
         )
+
+    def _open_grpc(self, listener: Listener) -> None:
+        """Starts the grpc listener (before recovery: it holds handshakes until ready)."""
+        try:
+            from kalos.server.grpc_server import GrpcServer
+        except ImportError as exc:
+            raise ConfigError("--grpc needs grpcio: pip install 'kalos[grpc]'") from exc
+        self.grpc = GrpcServer(
+            self.config,
+            handle=self._handle,
+            lock=self.lock,
+            negotiate=listener.negotiate,
+            ready=listener.ready,
+            journal=self.durability,
+            metrics=self.admin.metrics if self.admin is not None else None,
+            rejected=listener.rejected,
+        ).start()
 
     def serve(self) -> None:
         """Serves in this thread until :meth:`stop`; then cleans up."""
@@ -255,6 +285,8 @@ class Sidecar:
 
     def _close(self) -> None:
         _native.store_release(self.control.addr + L.CTRL_STATE, L.STATE_STOPPING)
+        if self.grpc is not None:
+            self.grpc.close()
         if self.listener is not None:
             self.listener.close()
         with contextlib.suppress(FileNotFoundError):

@@ -24,7 +24,7 @@ class Limits:
     max_role_bytes: int = 64  # a turn's role ("user", "assistant", "tool", ...)
     max_kind_bytes: int = 256  # an event's kind
     # Per tenant (memories whose scope names a tenant; None: no limit): items, and bytes
-    # (vectors at 4 bytes a dimension plus payloads).
+    # (vectors at 4 bytes a dimension plus payloads and token ids at 4 bytes each).
     tenant_max_items: int | None = None
     tenant_max_bytes: int | None = None
 

@@ -3,6 +3,11 @@
 The index holds vectors, ids and the scope of every item as three int64 codes (tenant, user,
 session); this store interns scope strings into those codes (0 = unset) and keeps payloads by
 id. It is used by one thread at a time: the sidecar serialises dispatch.
+
+A memory may also have token ids (int32, kept as little-endian bytes), so that a recall
+hands its text to the model without tokenizing on the request path: given with the add, or
+made from a text payload at add time by the sidecar's tokenizer (``--tokenizer``). A
+memory without them (bytes or no payload, no tokenizer) still has its payload.
 """
 
 from __future__ import annotations
@@ -18,10 +23,11 @@ from kalos.index import Index
 from kalos.index.base import RowTable, scope_mask
 from kalos.protocol import codes
 from kalos.protocol.messages import Scope
-from kalos.stores.limits import Limits
+from kalos.stores.limits import Limits, check_size
 
 if TYPE_CHECKING:
     from kalos.server.gpu_search import GpuResultBuffer, GpuSearch
+    from kalos.stores.sessions import Tokenizer
 
 NO_MATCH = -1  # a filter code that no item carries: a scope name never seen
 
@@ -70,8 +76,12 @@ def check_k(k: int) -> None:
 class MemoryStore:
     """Memory items (id, vector, payload, scope) over one vector index."""
 
-    def __init__(self, index: Index, limits: Limits | None = None) -> None:
+    def __init__(
+        self, index: Index, limits: Limits | None = None, tokenizer: Tokenizer | None = None
+    ) -> None:
         self.index = index
+        self.limits = limits or Limits()
+        self.tokenizer = tokenizer  # text payloads added without token ids get them from it
         # Per-tenant limits (items, bytes), accounted only when one is set.
         self._max_items = limits.tenant_max_items if limits is not None else None
         self._max_bytes = limits.tenant_max_bytes if limits is not None else None
@@ -82,6 +92,8 @@ class MemoryStore:
         self.scopes = ScopeCodes()
         self._payloads: dict[int, tuple[int, bytes]] = {}
         self._payload_bytes = 0
+        self._tokens: dict[int, bytes] = {}  # id -> its token ids, int32 little-endian bytes
+        self._token_bytes = 0
         # The scope codes of every item again, apart from the index (whose backends differ):
         # forget(scope) finds the ids of a user or session here, with one vectorised mask.
         self._scoped = RowTable()
@@ -109,16 +121,26 @@ class MemoryStore:
         offsets: np.ndarray,
         blob: np.ndarray,
         scope: Scope,
+        tokens: list[np.ndarray | None] | None = None,
     ) -> tuple[int, int]:
-        """Upserts items; returns (new items, replaced items). Payloads are copied out."""
+        """Upserts items; returns (new items, replaced items). Payloads are copied out.
+
+        ``tokens``: per item its token ids (int32 [m]), or None: a text payload is tokenized
+        by the store's tokenizer when it has one, else the item has no token ids. An item
+        replaced by an upsert loses its old token ids.
+        """
         self.check_vectors(vectors, "a vector")
         if bool((ids == -1).any()):
             raise InvalidRequest("id -1 is reserved for 'no result'")
         n = len(ids)
+        token_bytes = self._token_bytes_of(kinds, offsets, blob, tokens, n)
         scopes = np.broadcast_to(self.scopes.intern(scope), (n, 3))
         unique = np.unique(ids)
         if self._quota:
-            self._check_tenant(scope, int(scopes[0, 0]) if n else 0, ids, unique, offsets)
+            token_lens = np.array([0 if b is None else len(b) for b in token_bytes], np.int64)
+            self._check_tenant(
+                scope, int(scopes[0, 0]) if n else 0, ids, unique, offsets, token_lens
+            )
             self._tally(unique, -1)
         before = len(self.index)
         self.index.add(vectors, ids, scopes)
@@ -128,6 +150,7 @@ class MemoryStore:
         payloads = self._payloads
         bounds = offsets.tolist()
         data = blob.tobytes() if bounds[-1] else b""
+        token_map = self._tokens
         for i, (item, kind) in enumerate(zip(ids.tolist(), kinds.tolist(), strict=False)):
             old = payloads.pop(item, None)
             if old is not None:
@@ -136,19 +159,66 @@ class MemoryStore:
                 value = data[bounds[i] : bounds[i + 1]]
                 payloads[item] = (kind, value)
                 self._payload_bytes += len(value)
+            old_tokens = token_map.pop(item, None)
+            if old_tokens is not None:
+                self._token_bytes -= len(old_tokens)
+            ids_i = token_bytes[i]
+            if ids_i is not None:
+                token_map[item] = ids_i
+                self._token_bytes += len(ids_i)
         if self._quota:
             self._tally(unique, 1)
         return added, n - added
 
+    def _token_bytes_of(
+        self,
+        kinds: np.ndarray,
+        offsets: np.ndarray,
+        blob: np.ndarray,
+        tokens: list[np.ndarray | None] | None,
+        n: int,
+    ) -> list[bytes | None]:
+        """Each item's token ids as int32 little-endian bytes, or None; checked (ids >= 0, at
+        most ``--max-turn-tokens``) before anything changes."""
+        out: list[bytes | None] = [None] * n
+        tokenize = self.tokenizer
+        text = codes.PAYLOAD_TEXT
+        kind_list = kinds.tolist()
+        bounds = offsets.tolist() if tokenize is not None else []
+        for i in range(n):
+            given = None if tokens is None else tokens[i]
+            if given is not None:
+                if len(given) and int(given.min()) < 0:
+                    raise InvalidRequest(f"token ids must be >= 0 (item {i})")
+                ids_i = given
+            elif tokenize is not None and kind_list[i] == text:
+                ids_i = tokenize(blob[bounds[i] : bounds[i + 1]].tobytes().decode())
+            else:
+                continue
+            check_size(f"item {i}'s token ids", len(ids_i), self.limits.max_turn_tokens,
+                       "tokens", "--max-turn-tokens")  # fmt: skip
+            out[i] = np.ascontiguousarray(ids_i, "<i4").tobytes()
+        return out
+
+    def token_ids(self, ids: np.ndarray) -> list[bytes]:
+        """The token ids of each of ``ids`` (int32 little-endian bytes; b"" for none or -1)."""
+        get = self._tokens.get
+        return [get(item, b"") for item in ids.reshape(-1).tolist()]
+
     def _usage(self, ids: np.ndarray) -> tuple[list[int], list[int]]:
-        """Tenant code and bytes (vector + payload) of each of ``ids`` that is present."""
+        """Tenant code and bytes (vector + payload + token ids) of each of ``ids`` that is
+        present."""
         rows = self._scoped.rows_of(ids)
         present = rows >= 0
         tenants = self._scoped.scope_columns[0, rows[present]].tolist()
         vector = 4 * self.index.dim
         get = self._payloads.get
         none = (codes.PAYLOAD_NONE, b"")
-        sizes = [vector + len(get(item, none)[1]) for item in ids[present].tolist()]
+        tokens = self._tokens.get
+        sizes = [
+            vector + len(get(item, none)[1]) + len(tokens(item, b""))
+            for item in ids[present].tolist()
+        ]
         return tenants, sizes
 
     def _tally(self, ids: np.ndarray, sign: int) -> None:
@@ -161,7 +231,7 @@ class MemoryStore:
 
     def _check_tenant(
         self, scope: Scope, tenant: int, ids: np.ndarray, unique: np.ndarray,
-        offsets: np.ndarray,
+        offsets: np.ndarray, token_lens: np.ndarray,
     ) -> None:  # fmt: skip
         """InvalidRequest naming the flag when an add would take ``tenant`` over a limit."""
         if not tenant:
@@ -177,7 +247,9 @@ class MemoryStore:
         if self._max_bytes is not None:
             # the last occurrence of an id in the batch is the one that stays
             last = len(ids) - 1 - np.unique(ids[::-1], return_index=True)[1]
-            sizes_in = np.diff(offsets)[last] + 4 * self.index.dim
+            sizes_in = (
+                np.diff(offsets).astype(np.int64)[last] + token_lens[last] + 4 * self.index.dim
+            )
             total = self._tenant_bytes.get(tenant, 0) - sum(mine) + int(sizes_in.sum())
             if total > self._max_bytes:
                 raise InvalidRequest(
@@ -194,6 +266,9 @@ class MemoryStore:
             old = self._payloads.pop(item, None)
             if old is not None:
                 self._payload_bytes -= len(old[1])
+            old_tokens = self._tokens.pop(item, None)
+            if old_tokens is not None:
+                self._token_bytes -= len(old_tokens)
         return removed
 
     def search(
@@ -255,8 +330,9 @@ class MemoryStore:
 
     def snapshot(self, db: sqlite3.Connection, directory: str) -> None:
         """Writes every item: vectors, ids and scope codes as flat ``memories_*.npy`` files in
-        ``directory`` (index order), payloads and the scope-name tables into ``db`` (tables
-        ``memory_payloads`` and ``memory_scopes``). Does not commit.
+        ``directory`` (index order), payloads, token ids and the scope-name tables into ``db``
+        (tables ``memory_payloads``, ``memory_tokens`` and ``memory_scopes``). Does not
+        commit.
 
         Payloads go to SQLite rather than flat files: measured for 1M short payloads on the
         CI VM, reading them back into the store takes 0.7 s from SQLite, 0.9 s from flat files.
@@ -267,6 +343,8 @@ class MemoryStore:
         np.save(os.path.join(directory, "memories_scopes.npy"), scopes)
         db.execute("DROP TABLE IF EXISTS memory_payloads")
         db.execute("DROP TABLE IF EXISTS memory_scopes")
+        db.execute("DROP TABLE IF EXISTS memory_tokens")
+        db.execute("CREATE TABLE memory_tokens (id INTEGER PRIMARY KEY, tokens BLOB NOT NULL)")
         db.execute(
             "CREATE TABLE memory_payloads (id INTEGER PRIMARY KEY, kind INTEGER NOT NULL, "
             "value BLOB NOT NULL)"
@@ -280,6 +358,7 @@ class MemoryStore:
             ((item, kind, value) for item, (kind, value) in self._payloads.items()),
         )
         db.executemany("INSERT INTO memory_scopes VALUES (?, ?, ?)", self.scopes.rows())
+        db.executemany("INSERT INTO memory_tokens VALUES (?, ?)", self._tokens.items())
 
     def restore(self, db: sqlite3.Connection, directory: str) -> None:
         """Replaces every item with those of a :meth:`snapshot` in ``db`` and ``directory``."""
@@ -298,6 +377,15 @@ class MemoryStore:
             for item, kind, value in db.execute("SELECT id, kind, value FROM memory_payloads")
         }
         self._payload_bytes = sum(len(v) for _, v in self._payloads.values())
+        has_tokens = db.execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'memory_tokens'"
+        ).fetchone()  # snapshots of older versions have no token ids
+        self._tokens = (
+            {item: bytes(t) for item, t in db.execute("SELECT id, tokens FROM memory_tokens")}
+            if has_tokens
+            else {}
+        )
+        self._token_bytes = sum(len(t) for t in self._tokens.values())
         self._tenant_items, self._tenant_bytes = {}, {}
         if self._quota:
             self._tally(self._scoped.ids.copy(), 1)
@@ -308,4 +396,5 @@ class MemoryStore:
             "index": self.index.spec,
             "index_bytes": int(self.index.nbytes),
             "payload_bytes": self._payload_bytes,
+            "memory_token_bytes": self._token_bytes,
         }

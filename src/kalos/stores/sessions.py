@@ -54,8 +54,10 @@ _COMPACT_AFTER = 32  # dropped head turns before a compaction is considered
 def load_tokenizer(path: str) -> Tokenizer:
     """A Hugging Face ``tokenizers`` tokenizer file (tokenizer.json) as a :data:`Tokenizer`.
 
-    Special tokens are not added: a turn's ids are the ids of its text alone. Raises
-    ConfigError when the package (``pip install 'kalos[text]'``) or the file is missing.
+    Special tokens are not added, and the file's padding and truncation settings are
+    switched off (an embedding model's tokenizer.json often pads every text to 128 ids):
+    a turn's ids are the ids of its text alone, all of them. Raises ConfigError when the
+    package (``pip install 'kalos[text]'``) or the file is missing.
     """
     try:
         import tokenizers
@@ -67,6 +69,8 @@ def load_tokenizer(path: str) -> Tokenizer:
         tok = tokenizers.Tokenizer.from_file(path)
     except Exception as exc:  # tokenizers raises its own Exception subclass
         raise ConfigError(f"cannot load the tokenizer {path!r}: {exc}") from exc
+    tok.no_padding()
+    tok.no_truncation()
 
     def tokenize(text: str) -> np.ndarray:
         return np.asarray(tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
@@ -207,6 +211,16 @@ class Session:
             self.txt_cum = [c - x0 for c in self.txt_cum[f:]]
         self.first = 0
 
+    def newest(self, budget: int, max_turns: int | None) -> int:
+        """The first of the newest turns whose token ids fit ``budget`` (at most
+        ``max_turns`` turns): a contiguous suffix, as :meth:`SessionStore.context` takes."""
+        cum = self.tok_cum
+        n = len(cum) - 1
+        first = bisect_left(cum, cum[n] - budget, self.first, n)
+        if max_turns is not None and n - first > max_turns:
+            first = n - max_turns
+        return first
+
     def turn_window(self, first: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Views of turns ``first..end``: (tokens, meta, text)."""
         n = len(self.tok_cum) - 1
@@ -289,6 +303,11 @@ class SessionStore:
             s.text_mv[txt[first] : txt[n]],
             system,
         )
+
+    def live(self, session: str, *, now: float, scope: Scope | None = None) -> Session:
+        """The live session ``session`` (its buffers: valid until its next change). NotFound
+        for an unknown or expired session, or one outside ``scope``."""
+        return self._live(session, now, scope)
 
     def turns(
         self, session: str, *, now: float, scope: Scope | None = None

@@ -5,11 +5,34 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 from kalos.errors import ConfigError
 from kalos.paths import socket_path
 from kalos.transport.base import Response, Transport
 
-TRANSPORTS = ("shm", "uds")
+TRANSPORTS = ("shm", "uds", "grpc")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tls:
+    """TLS for the grpc transport, as paths of PEM files.
+
+    A client: ``ca`` is the certificate authority to trust (None: the system's roots);
+    ``cert`` and ``key`` its own certificate, for a sidecar that asks for one (mutual TLS);
+    ``server_name`` overrides the name checked against the sidecar's certificate (when the
+    target is an address the certificate does not name).
+    """
+
+    ca: str | os.PathLike[str] | None = None
+    cert: str | os.PathLike[str] | None = None
+    key: str | os.PathLike[str] | None = None
+    server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ConfigError("a TLS client certificate needs its key, and a key its certificate")
 
 
 def open_transport(
@@ -22,8 +45,12 @@ def open_transport(
     spin_us: float,
     gpu_results: bool = False,
     hung_after: float | None = None,
+    tls: Tls | None = None,
 ) -> Transport:
     """Handshakes with the sidecar ``name`` and returns a new channel of ``kind``.
+
+    For ``kind="grpc"``, ``name`` is the sidecar's grpc target (``host:port``, ``[v6]:port``
+    or ``unix:/path``) and ``tls`` secures it; ``runtime_dir`` and ``spin_us`` do not apply.
 
     ``gpu_results``: ask a cuda sidecar for a GPU result buffer (shm only); the transport's
     ``gpu`` is then a :class:`kalos.gpu.handoff.GpuChannel`. ``hung_after``: seconds without a
@@ -37,6 +64,15 @@ def open_transport(
         raise ConfigError(f"unknown transport {kind!r}; choose one of {', '.join(TRANSPORTS)}")
     if gpu_results and kind != "shm":
         raise ConfigError("GPU results travel over the shm transport only")
+    if tls is not None and kind != "grpc":
+        raise ConfigError("TLS applies to the grpc transport only")
+    if kind == "grpc":
+        try:
+            from kalos.transport.grpc import open_grpc
+        except ImportError as exc:
+            raise ConfigError("the grpc transport needs grpcio: pip install 'kalos[grpc]'") from exc
+
+        return open_grpc(name, arena_bytes=arena_bytes, timeout=timeout, tls=tls)
     sock, info, fds = client_hello(
         socket_path(name, runtime_dir), kind, arena_bytes, timeout, gpu_results
     )
@@ -63,10 +99,8 @@ def open_transport(
     from kalos.transport.uds import UdsTransport
 
     for fd in fds:
-        import os
-
         os.close(fd)
     return UdsTransport(sock, info)
 
 
-__all__ = ["TRANSPORTS", "Response", "Transport", "open_transport"]
+__all__ = ["TRANSPORTS", "Response", "Tls", "Transport", "open_transport"]

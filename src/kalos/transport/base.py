@@ -47,6 +47,12 @@ class Transport(abc.ABC):
         opens a new one.
         """
 
+    def last_sent_ns(self) -> int:
+        """When the last request was published (``time.monotonic_ns()``), read back from its
+        header; 0 when this transport does not stamp requests. Benchmarks split round trips
+        with it (``Client.record_stages``); nothing on the request path pays for it."""
+        return 0
+
     @property
     @abc.abstractmethod
     def broken(self) -> bool:

@@ -12,7 +12,7 @@ import contextlib
 import json
 import socket
 import struct
-from typing import Any
+from typing import Any, NoReturn
 
 from kalos.errors import ConnectError, ProtocolMismatch
 from kalos.protocol.codes import PROTOCOL_VERSION
@@ -83,15 +83,12 @@ def client_hello(
     except (ConnectionRefusedError, OSError) as exc:
         sock.close()
         raise ConnectError(f"cannot connect to the sidecar at {path}: {exc}") from exc
-    hello = {
-        "magic": "KALO",
-        "protocol": list(PROTOCOL_VERSION),
-        "transport": transport,
-        "arena_bytes": arena_bytes,
-        "gpu_results": gpu_results,
-    }
+    hello = hello_message(transport, arena_bytes, gpu_results)
     try:
-        send_message(sock, hello)
+        # A sidecar refusing this peer (SO_PEERCRED) answers at once and closes, maybe before
+        # the hello arrives (EPIPE); its answer is still there to read.
+        with contextlib.suppress(BrokenPipeError):
+            send_message(sock, hello)
         reply, fds = recv_message(sock)
     except (OSError, ConnectionError) as exc:
         sock.close()
@@ -100,12 +97,28 @@ def client_hello(
         for fd in fds:
             _close_fd(fd)
         sock.close()
-        if reply.get("error") == "protocol_mismatch":
-            server = reply.get("protocol", ["?", "?"])
-            raise ProtocolMismatch(
-                f"client speaks protocol {PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}, "
-                f"the sidecar speaks {server[0]}.{server[1]}"
-            )
-        raise ConnectError(f"the sidecar refused the connection: {reply.get('message', '?')}")
+        refused(reply)
     sock.settimeout(None)
     return sock, reply, fds
+
+
+def hello_message(transport: str, arena_bytes: int, gpu_results: bool = False) -> dict[str, Any]:
+    """The client's handshake message (over the Unix socket, or grpc's Hello method)."""
+    return {
+        "magic": "KALO",
+        "protocol": list(PROTOCOL_VERSION),
+        "transport": transport,
+        "arena_bytes": arena_bytes,
+        "gpu_results": gpu_results,
+    }
+
+
+def refused(reply: dict[str, Any]) -> NoReturn:
+    """Raises what a refusing handshake ``reply`` means: ProtocolMismatch or ConnectError."""
+    if reply.get("error") == "protocol_mismatch":
+        server = reply.get("protocol", ["?", "?"])
+        raise ProtocolMismatch(
+            f"client speaks protocol {PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}, "
+            f"the sidecar speaks {server[0]}.{server[1]}"
+        )
+    raise ConnectError(f"the sidecar refused the connection: {reply.get('message', '?')}")

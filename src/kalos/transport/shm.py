@@ -115,6 +115,9 @@ class ShmTransport(Transport):
         )
         return Response(status, self._resp_arena[:n], queue_ns, compute_ns, write_ns)
 
+    def last_sent_ns(self) -> int:
+        return int(L.REQ_FIELDS.unpack_from(self._buf, L.REQ_OP)[3])
+
     def _wait_slow(self, seq: int, deadline: int) -> None:
         """Parks in slices until the response comes, the deadline passes or the sidecar dies."""
         while True:

@@ -93,6 +93,9 @@ class UdsTransport(Transport):
             raise SidecarGone(f"the sidecar connection failed: {exc}") from exc
         return Response(status, self._resp[:n], queue_ns, compute_ns, write_ns)
 
+    def last_sent_ns(self) -> int:
+        return int(L.REQ_FRAME.unpack_from(self._out, 0)[4])
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True
