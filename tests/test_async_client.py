@@ -51,7 +51,8 @@ def public_methods(cls: type) -> set[str]:
 
 
 def test_every_client_method_is_a_coroutine_with_the_same_signature() -> None:
-    names = public_methods(kalos.Client) - {"close"}
+    # record_stages: a benchmark hook of the sync client's threads (per-thread stamps).
+    names = public_methods(kalos.Client) - {"close", "record_stages"}
     assert names <= public_methods(kalos.AsyncClient) | {
         n for n, v in vars(kalos.AsyncClient).items() if inspect.iscoroutinefunction(v)
     }
@@ -68,16 +69,23 @@ def test_every_client_method_is_a_coroutine_with_the_same_signature() -> None:
         assert async_[name].default == p.default, name
 
 
-@pytest.mark.parametrize("transport", ["shm", "uds"])
+@pytest.mark.parametrize("transport", ["shm", "uds", "grpc"])
 def test_every_method(transport: str, sidecar: Callable[..., RunningSidecar]) -> None:
-    running = sidecar(dim=DIM)
+    if transport == "grpc":
+        pytest.importorskip("grpc")
+    running = sidecar(dim=DIM)  # with a grpc listener when transport is grpc (conftest)
     rng = np.random.default_rng(1)
     vectors = rng.standard_normal((20, DIM)).astype(np.float32)
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)  # each its own best hit
     acme = Scope("acme", "u1")
 
+    def make() -> kalos.AsyncClient:
+        if transport == "grpc":
+            return kalos.AsyncClient(running.grpc_target(), transport="grpc", timeout=TIMEOUT)
+        return connect(running, transport=transport)
+
     async def main() -> None:
-        async with connect(running, transport=transport) as c:
+        async with make() as c:
             assert c.dim == DIM and c.info["dim"] == DIM and c.epoch != 0
             timings = await c.ping()
             assert timings.total_us > 0 and c.last_timings == timings
@@ -120,6 +128,12 @@ def test_every_method(transport: str, sidecar: Callable[..., RunningSidecar]) ->
                 await c.search(vectors[0, :3], k=1)
             with pytest.raises(ConfigError):  # as in Client: needs gpu_results on a cuda sidecar
                 await c.search_gpu(vectors[0], k=1)
+            await c.add(vectors[5:7], [105, 106], ["five", "six"], tokens=[[50, 51], [60]])
+            await c.append_turn("s2", "user", "hi", [1, 2])
+            recalled = await c.recall("s2", vectors[5], k=1, max_tokens=100)
+            assert recalled.ids.tolist() == [105] and recalled.texts == ["five"]
+            assert recalled.token_ids.tolist() == [50, 51, 1, 2]
+            assert recalled.token_ids.flags.owndata and recalled.ids.flags.owndata
             assert (await c.ping()).total_us > 0  # and the channel still serves
         with pytest.raises(ClosedError):
             await c.ping()

@@ -31,7 +31,7 @@ import numpy as np
 from kalos.client import Client, Timings
 from kalos.errors import ClosedError, ConfigError, ConnectError
 from kalos.protocol import layout as L
-from kalos.transport import Transport
+from kalos.transport import Tls, Transport
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -217,7 +217,8 @@ class AsyncClient:
     channel thread before the channel takes another request, so no other task's call can
     overwrite them (``copy`` is accepted and changes nothing). ``timings.total_us`` in a result
     is the round trip seen by the channel thread; :meth:`ping` and :attr:`last_timings` give
-    the whole await, thread hops included. ``last_timings`` is per task.
+    the whole await, thread hops included. ``last_timings`` is per task. (The sync client's
+    per-thread benchmark stamps, ``record_stages`` and ``last_stamps``, have no counterpart.)
 
     Failures are the sync client's: SidecarGone, RequestTimeout, ``on_unavailable="degrade"``,
     reconnecting on a later call (``reconnects``). A cancelled await never corrupts a channel:
@@ -247,6 +248,7 @@ class AsyncClient:
         gpu_results: bool = False,
         on_unavailable: str = "raise",
         hung_after: float | None = None,
+        tls: Tls | None = None,
         max_channels: int = 32,
         connector: Callable[[], Transport] | None = None,
     ) -> None:
@@ -272,6 +274,7 @@ class AsyncClient:
             connector=connector,
             on_unavailable=on_unavailable,
             hung_after=hung_after,
+            tls=tls,
         )
         self._client: Client | None = None
         self._client_lock = threading.Lock()
@@ -438,8 +441,7 @@ class AsyncClient:
         await self.close()
 
     # -- operations: Client's, awaited (one line each) ---------------------------------------
-    # A method added to Client is one line here (e.g. ``recall = _forward(Client.recall)``);
-    # tests/test_async_client.py fails until it is.
+    # A method added to Client is one line here; tests/test_async_client.py fails until it is.
     ping = _forward(Client.ping)
     stats = _forward(Client.stats)
     search = _forward(Client.search)
@@ -460,6 +462,7 @@ class AsyncClient:
     log = _forward(Client.log)
     events = _forward(Client.events)
     forget = _forward(Client.forget)
+    recall = _forward(Client.recall)
 
 
 async def connect_async(
@@ -473,6 +476,7 @@ async def connect_async(
     gpu_results: bool = False,
     on_unavailable: str = "raise",
     hung_after: float | None = None,
+    tls: Tls | None = None,
     max_channels: int = 32,
 ) -> AsyncClient:
     """Connects to the running sidecar ``name`` without blocking the event loop; the
@@ -488,6 +492,7 @@ async def connect_async(
         gpu_results=gpu_results,
         on_unavailable=on_unavailable,
         hung_after=hung_after,
+        tls=tls,
         max_channels=max_channels,
     )
     try:
