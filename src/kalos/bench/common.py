@@ -401,3 +401,55 @@ def run_interleaved(
                 if progress is not None:
                     progress.update(end - at)
     return results
+
+
+def level_rows(
+    results: dict[int, dict[str, LevelResult]],
+    systems: Sequence[System],
+    baseline: str,
+    ratio: str = "baseline",
+) -> tuple[list[dict[str, Any]], int]:
+    """One row per (concurrency, system) of :func:`run_interleaved`'s results, each with its
+    stages and how many times slower the system ``baseline`` was at p50 and p99
+    (``<ratio>_over_this_p50`` and ``_p99``); and the mismatches over all of them."""
+    rows: list[dict[str, Any]] = []
+    mismatches = 0
+    for threads, by_system in results.items():
+        level = []
+        for s in systems:
+            res = by_system[s.name]
+            mismatches += res.mismatches
+            row = summarize(s.name, res.samples_ns, res.wall_s, concurrency=threads)
+            row["mismatches"] = res.mismatches
+            if res.stages_us is not None:
+                row["stages"] = stage_summary(res.stages_us)
+            level.append(row)
+        base = next(row for row in level if row["system"] == baseline)
+        for row in level:
+            row[f"{ratio}_over_this_p50"] = round(base["p50_us"] / row["p50_us"], 2)
+            row[f"{ratio}_over_this_p99"] = round(base["p99_us"] / row["p99_us"], 2)
+        rows += level
+    return rows, mismatches
+
+
+def plot_levels(
+    path: str, results: dict[int, dict[str, LevelResult]], rows: list[dict[str, Any]], title: str
+) -> None:
+    """The PNG beside ``path``: a latency CDF per concurrency level and the stage bars."""
+    from kalos.bench.plots import plot_result
+
+    png = plot_result(
+        path,
+        {
+            f"{t} thread(s)": {s: res.samples_ns for s, res in by_system.items()}
+            for t, by_system in results.items()
+        },
+        {
+            f"{row['system']}, {row['concurrency']} thr": row["stages"]["mean_us"]
+            for row in rows
+            if row.get("stages")
+        },
+        title=title,
+    )
+    if png:
+        print(f"wrote {png}")

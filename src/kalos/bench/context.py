@@ -41,15 +41,14 @@ from kalos.bench.baseline import DictMemory, RedisMemory, Turn, find_redis_serve
 from kalos.bench.common import (
     Progress,
     System,
+    level_rows,
     load_average,
+    plot_levels,
     print_table,
     run_interleaved,
     source_revision,
-    stage_summary,
-    summarize,
     write_result,
 )
-from kalos.bench.plots import plot_result
 from kalos.testing import isolated_sidecar
 
 SCENARIO = "context"
@@ -172,22 +171,8 @@ def run(args: argparse.Namespace) -> int:
         load_after = load_average()
         client.close()
 
-    rows = []
-    for threads, by_system in results.items():
-        level = []
-        for s in systems:
-            res = by_system[s.name]
-            mismatches += res.mismatches
-            row = summarize(s.name, res.samples_ns, res.wall_s, concurrency=threads)
-            row["mismatches"] = res.mismatches
-            if res.stages_us is not None:
-                row["stages"] = stage_summary(res.stages_us)
-            level.append(row)
-        by = {row["system"]: row for row in level}
-        for row in level:
-            row["redis_over_this_p50"] = round(by["redis-json"]["p50_us"] / row["p50_us"], 2)
-            row["redis_over_this_p99"] = round(by["redis-json"]["p99_us"] / row["p99_us"], 2)
-        rows += level
+    rows, bad = level_rows(results, systems, "redis-json", ratio="redis")
+    mismatches += bad
     columns = ("system", "concurrency", "p50_us", "p99_us", "p999_us", "qps",
                "redis_over_this_p50", "redis_over_this_p99")  # fmt: skip
     print_table(rows, columns)
@@ -230,19 +215,10 @@ def run(args: argparse.Namespace) -> int:
         source=source_revision(),
     )
     print(f"wrote {path}")
-    png = plot_result(
+    plot_levels(
         path,
-        {
-            f"{t} thread(s)": {s: res.samples_ns for s, res in by_system.items()}
-            for t, by_system in results.items()
-        },
-        {
-            f"{row['system']}, {row['concurrency']} thr": row["stages"]["mean_us"]
-            for row in rows
-            if row.get("stages")
-        },
-        title=f"context: {args.sessions:,} sessions x {args.turns} turns, {budget} tokens",
+        results,
+        rows,
+        f"context: {args.sessions:,} sessions x {args.turns} turns, {budget} tokens",
     )
-    if png:
-        print(f"wrote {png}")
     return 1 if mismatches else 0
