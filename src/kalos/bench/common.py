@@ -453,3 +453,29 @@ def plot_levels(
     )
     if png:
         print(f"wrote {png}")
+
+
+def run_levels(
+    name: str,
+    systems: Sequence[System],
+    order: np.ndarray,
+    levels: Sequence[int],
+    *,
+    block: int,
+    warmup: int,
+    quiet: bool,
+    on_level: Callable[[int], None] | None = None,
+) -> dict[int, dict[str, LevelResult]]:
+    """:func:`run_interleaved` at each concurrency level in turn, with one progress bar;
+    ``warmup`` untimed calls per block at one thread (fewer per thread at more)."""
+    results: dict[int, dict[str, LevelResult]] = {}
+    with Progress(len(levels) * len(systems) * len(order), name, quiet=quiet) as progress:
+        for threads in levels:
+            if on_level is not None:
+                on_level(threads)
+            progress.update(0, f"{name}, {threads} thread(s)")
+            results[threads] = run_interleaved(
+                systems, order, threads, block=block,
+                warmup=max(1, warmup // threads), progress=progress,
+            )  # fmt: skip
+    return results

@@ -39,13 +39,12 @@ import numpy as np
 
 from kalos.bench.baseline import DictMemory, RedisMemory, Turn, find_redis_server, redis_server
 from kalos.bench.common import (
-    Progress,
     System,
     level_rows,
     load_average,
     plot_levels,
     print_table,
-    run_interleaved,
+    run_levels,
     source_revision,
     write_result,
 )
@@ -155,19 +154,9 @@ def run(args: argparse.Namespace) -> int:
                 system.call(int(order[j % len(order)]))
 
         load_before = load_average()
-        results = {}
-        total = len(levels) * len(systems) * len(order)
-        with Progress(total, "context", quiet=args.quiet) as progress:
-            for threads in levels:
-                progress.update(0, f"context, {threads} thread(s)")
-                results[threads] = run_interleaved(
-                    systems,
-                    order,
-                    threads,
-                    block=args.block,
-                    warmup=max(2, 20 // threads),
-                    progress=progress,
-                )
+        results = run_levels(
+            "context", systems, order, levels, block=args.block, warmup=20, quiet=args.quiet
+        )
         load_after = load_average()
         client.close()
 

@@ -53,13 +53,12 @@ from kalos.bench.baseline import (
     redis_server,
 )
 from kalos.bench.common import (
-    Progress,
     System,
     level_rows,
     load_average,
     plot_levels,
     print_table,
-    run_interleaved,
+    run_levels,
     source_revision,
     write_result,
 )
@@ -285,20 +284,10 @@ def run(args: argparse.Namespace) -> int:
                 mismatches += int(not system.check(i, system.call(i)))
         parts.clear()
         load_before = load_average()
-        results = {}
-        total = len(levels) * len(systems) * len(order)
-        with Progress(total, "recall", quiet=args.quiet) as progress:
-            for threads in levels:
-                running[0] = threads
-                progress.update(0, f"recall, {threads} thread(s)")
-                results[threads] = run_interleaved(
-                    systems,
-                    order,
-                    threads,
-                    block=args.block,
-                    warmup=max(1, 10 // threads),
-                    progress=progress,
-                )
+        results = run_levels(
+            "recall", systems, order, levels, block=args.block, warmup=10, quiet=args.quiet,
+            on_level=lambda threads: running.__setitem__(0, threads),
+        )  # fmt: skip
         load_after = load_average()
         client.close()
 
