@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from kalos.errors import ClosedError, SidecarGone
+
 
 class Response:
     """One response: status, body view and the sidecar's per-stage timings (ns)."""
@@ -53,10 +55,20 @@ class Transport(abc.ABC):
         with it (``Client.record_stages``); nothing on the request path pays for it."""
         return 0
 
+    _closed = False  # closed by its owner (close())
+    _broken = False  # lost its sidecar, or a request timed out: never carries another
+
     @property
-    @abc.abstractmethod
     def broken(self) -> bool:
         """True once this transport can no longer carry requests."""
+        return self._broken or self._closed
+
+    def _refuse(self) -> None:
+        """Raises why a closed or broken transport takes no request (call it only then:
+        ``if self._closed or self._broken: self._refuse()`` costs the request path nothing)."""
+        if self._closed:
+            raise ClosedError("this channel is closed")
+        raise SidecarGone("this channel lost its sidecar")
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -135,18 +135,10 @@ class GrpcTransport(Transport):
         self.request_buffer = self._out[_REQ.size :]
         self._resp = np.zeros(arena, np.uint8)
         self._seq = 0
-        self._broken = False
-        self._closed = False
-
-    @property
-    def broken(self) -> bool:
-        return self._broken or self._closed
 
     def request(self, op: int, flags: int, body_len: int, *, timeout: float) -> Response:
-        if self._closed:
-            raise ClosedError("this channel is closed")
-        if self._broken:
-            raise SidecarGone("this channel lost its sidecar")
+        if self._closed or self._broken:
+            self._refuse()
         if body_len > len(self.request_buffer):
             # What the sidecar would answer, without sending a message over its limit.
             n = encode_text(self._resp, f"request body of {body_len} bytes exceeds the arena")

@@ -11,7 +11,6 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kalos.errors import ClosedError
 from kalos.protocol import layout as L
 from kalos.transport.base import Response, Transport
 
@@ -39,15 +38,10 @@ class InprocTransport(Transport):
         self.server_info = dict(handler.info(), arena_bytes=arena_bytes)
         self.request_buffer = np.zeros(arena_bytes, np.uint8)
         self._resp = np.zeros(arena_bytes, np.uint8)
-        self._closed = False
-
-    @property
-    def broken(self) -> bool:
-        return self._closed
 
     def request(self, op: int, flags: int, body_len: int, *, timeout: float) -> Response:
         if self._closed:
-            raise ClosedError("this channel is closed")
+            self._refuse()
         with self._lock:
             status, n, compute_ns, write_ns = self._handler.handle(
                 op, flags, self.request_buffer[:body_len], self._resp

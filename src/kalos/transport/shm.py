@@ -85,18 +85,10 @@ class ShmTransport(Transport):
         self._buf = buf
         self._seq = _load(self._req_seq)
         self._spin_ns = int(spin_us * 1000)
-        self._broken = False
-        self._closed = False
-
-    @property
-    def broken(self) -> bool:
-        return self._broken or self._closed
 
     def request(self, op: int, flags: int, body_len: int, *, timeout: float) -> Response:
-        if self._closed:
-            raise ClosedError("this channel is closed")
-        if self._broken:
-            raise SidecarGone("this channel lost its sidecar")
+        if self._closed or self._broken:
+            self._refuse()
         seq = self._seq + 1
         self._seq = seq
         now = _monotonic_ns()

@@ -49,18 +49,10 @@ class UdsTransport(Transport):
         self._resp = np.zeros(arena, np.uint8)
         self._resp_view = memoryview(self._resp)
         self._seq = 0
-        self._broken = False
-        self._closed = False
-
-    @property
-    def broken(self) -> bool:
-        return self._broken or self._closed
 
     def request(self, op: int, flags: int, body_len: int, *, timeout: float) -> Response:
-        if self._closed:
-            raise ClosedError("this channel is closed")
-        if self._broken:
-            raise SidecarGone("this channel lost its sidecar")
+        if self._closed or self._broken:
+            self._refuse()
         if body_len > len(self.request_buffer):
             # The sidecar would answer PAYLOAD_TOO_LARGE and close the stream, which it cannot
             # resynchronise past a body it does not read: answer as it would, keep the stream.
