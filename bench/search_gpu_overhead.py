@@ -33,13 +33,13 @@ import datetime
 import json
 import os
 import tempfile
-import time
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from kalos.bench.search_gpu import _host_times
 from kalos.client import scope_bytes
 from kalos.index.cuda_flat import CudaFlatIndex, SearchGraph
 from kalos.protocol import messages as M
@@ -81,16 +81,6 @@ def _graph_of(fn) -> torch.cuda.CUDAGraph:
         fn()
     torch.cuda.synchronize()
     return g
-
-
-def _host_times(fn, n: int) -> np.ndarray:
-    out = np.zeros(n, np.int64)
-    clock = time.perf_counter_ns
-    for i in range(n):
-        t = clock()
-        fn(i)
-        out[i] = clock() - t
-    return out
 
 
 def _row(name: str, ns: np.ndarray) -> dict:
@@ -190,7 +180,7 @@ def run_size(n: int, dim: int, k: int, reps: int, sidecar: Sidecar) -> dict:
         for name, fn in fns.items():
             for i in range(50):
                 fn(i)
-            samples[name].append(_host_times(fn, reps // 5))
+            samples[name].append(_host_times(fn, reps // 5)[0])
     rows += [_row(name, np.concatenate(s)) for name, s in samples.items()]
     return {"params": {"n": n, "dim": dim, "dtype": "float16", "k": k, "batch": 1},
             "rows": rows, "wrong_results": wrong}  # fmt: skip
