@@ -84,7 +84,7 @@ def test_an_internal_failure_is_a_server_error_without_traceback(
     d = make_dispatcher()
     call(d, Op.ADD, add_body([1]))
 
-    def broken(*args: object) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("disk on fire")
 
     monkeypatch.setattr(d.memories, "search", broken)

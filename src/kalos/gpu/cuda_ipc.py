@@ -21,6 +21,8 @@ from kalos.errors import ConfigError
 
 IPC_HANDLE_BYTES = 64
 _LAZY_ENABLE_PEER_ACCESS = 1
+_HOST_REGISTER_PORTABLE = 1
+_HOST_REGISTER_DEVICEMAP = 2
 
 _lib: ctypes.CDLL | None = None
 _lock = threading.Lock()
@@ -49,6 +51,8 @@ def _driver() -> ctypes.CDLL:
                 ctypes.c_uint,
             ]
             lib.cuIpcCloseMemHandle.argtypes = [ctypes.c_uint64]
+            lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+            lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
             lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
             _lib = lib
         return _lib
@@ -79,6 +83,22 @@ def mem_alloc(nbytes: int) -> int:
 
 def mem_free(ptr: int) -> None:
     _check(_driver().cuMemFree_v2(ptr), "cuMemFree")
+
+
+def host_register(ptr: int, nbytes: int) -> None:
+    """Page-locks ``nbytes`` of host memory at ``ptr`` (e.g. a shared-memory channel) and maps
+    it for every device: with unified addressing, kernels read and write it at ``ptr`` itself.
+    Undo with :func:`host_unregister` before the memory is unmapped."""
+    _check(
+        _driver().cuMemHostRegister_v2(
+            ptr, nbytes, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_DEVICEMAP
+        ),
+        "cuMemHostRegister",
+    )
+
+
+def host_unregister(ptr: int) -> None:
+    _check(_driver().cuMemHostUnregister(ptr), "cuMemHostUnregister")
 
 
 def ipc_handle(ptr: int) -> bytes:

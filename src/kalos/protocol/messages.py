@@ -191,6 +191,20 @@ def search_response_size(nq: int, k: int) -> int:
     return 16 + _pad8(nq * k * 4) + nq * k * 8
 
 
+def search_response_views(buf: np.ndarray, nq: int, k: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """Writes the header of a SEARCH response without payloads and returns (its size, the
+    scores [nq, k] f32 and ids [nq, k] i64 views for the results), for a search that writes
+    its results in place. The views' offsets depend only on (nq, k)."""
+    m = nq * k
+    off = 16 + _pad8(m * 4)
+    size = off + m * 8
+    _fit(size, len(buf), "search response")
+    _HEAD4.pack_into(buf, 0, nq, k, 0, 0)
+    scores = buf[16 : 16 + m * 4].view(np.float32).reshape(nq, k)
+    ids = buf[off:size].view(np.int64).reshape(nq, k)
+    return size, scores, ids
+
+
 def encode_search_response(
     buf: np.ndarray,
     scores: np.ndarray,

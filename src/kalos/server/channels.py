@@ -68,6 +68,7 @@ class ServerChannel:
         self.last_seq = 0
         self.requests = 0
         self.gpu: Any = None  # its GPU result buffer (server.gpu_search), on a cuda sidecar
+        self.pinned: Any = None  # its response arena registered for the GPU (PinnedArena)
 
 
 class Poller:
@@ -221,7 +222,12 @@ class Poller:
         else:
             with self._lock:
                 status, n, compute_ns, write_ns = self._handle(
-                    op, flags, ch.req_arena[:body_len], ch.resp_arena, gpu_buffer=ch.gpu
+                    op,
+                    flags,
+                    ch.req_arena[:body_len],
+                    ch.resp_arena,
+                    gpu_buffer=ch.gpu,
+                    pinned=ch.pinned,
                 )
                 lsn = self._journal.last_lsn if self._journal is not None else 0
             if lsn:  # a logged write: answered once its record is durable (_release)

@@ -103,6 +103,7 @@ class Dispatcher:
         self.started = time.time()
         self.requests = [0] * (max(Op) + 1)  # by op code
         self.gpu_buffer: Any = None  # the requesting channel's GPU result buffer (see handle)
+        self.pinned: Any = None  # the requesting channel's registered response arena (see handle)
         self.now_ns = 0  # wall-clock time of the request being handled (see handle)
         self.errors = 0
         self._extra_stats = extra_stats
@@ -147,16 +148,20 @@ class Dispatcher:
         out: np.ndarray,
         now_ns: int | None = None,
         gpu_buffer: Any = None,
+        pinned: Any = None,
     ) -> tuple[int, int, int, int]:
         """Runs one request. Returns (status, response length, compute ns, write ns).
 
         ``now_ns``: the request's wall-clock time (ns since the epoch), default the clock now;
         recovery passes the logged time. Ops read it from :attr:`now_ns`, never the clock.
         ``gpu_buffer``: the requesting channel's GPU result buffer, if it has one.
+        ``pinned``: its response arena registered for the GPU (a cuda sidecar's shm channel):
+        a search's kernel then writes the results into ``out`` itself.
         """
         t0 = _monotonic_ns()
         self.now_ns = time.time_ns() if now_ns is None else now_ns
         self.gpu_buffer = gpu_buffer
+        self.pinned = pinned
         fn = self._ops.get(op)
         try:
             if fn is None:
@@ -214,10 +219,15 @@ class Dispatcher:
         if flags & (codes.SEARCH_GPU_RESULT | codes.SEARCH_GPU_QUERY):
             return self._search_to_device(flags, body, out)
         req = M.decode_search(body, len(body))
+        if not flags & codes.SEARCH_WANT_PAYLOADS:  # the results go straight into the response
+            n, scores, ids = M.search_response_views(out, len(req.queries), req.k)
+            self.memories.search(
+                req.queries, req.k, req.scope, out=(scores, ids), pinned=self.pinned
+            )
+            return n, 0
         scores, ids = self.memories.search(req.queries, req.k, req.scope)
         t = _monotonic_ns()
-        payloads = self.memories.payloads(ids) if flags & codes.SEARCH_WANT_PAYLOADS else None
-        n = M.encode_search_response(out, scores, ids, payloads)
+        n = M.encode_search_response(out, scores, ids, self.memories.payloads(ids))
         return n, _monotonic_ns() - t
 
     def _search_to_device(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:

@@ -29,6 +29,9 @@ from kalos.index.cuda_flat import CudaFlatIndex, SearchGraph
 GPU_MAX_QUERIES = 64
 GPU_MAX_HITS = 16384
 GPU_MAX_TOKENS = 131072  # token ids of one GPU-result recall (int32: 512 KiB)
+# Registered bytes at the start of each shm channel's response arena (PinnedArena): a SEARCH
+# response of up to 64 x 1024 hits without payloads.
+PINNED_BYTES = 1 << 20
 _ALIGN = 256
 
 
@@ -139,29 +142,69 @@ class _Inputs:
 
 
 class _HostResultGraph(SearchGraph):
-    """Pinned request in, pinned results out, the fused search in between: one graph launch.
+    """Pinned request in, results in host memory out, the fused search in between: one graph
+    launch.
 
     The scope and query go to the device in one memcpy node; the merge kernel writes the
-    top-k straight into the pinned staging buffers (unified addressing), with no copy node
-    back. Measured on the H200 (bench/search_gpu_overhead.py, replay + sync at 100K x 128):
-    three copy nodes 38.7 µs; results written to pinned memory 30.4 µs. Letting the kernels
-    read the query from pinned memory too was slower (37.1 µs): every program of the scan
-    pulls it across PCIe before its first tile."""
+    top-k straight into host memory (unified addressing), with no copy node back: into the
+    channel's response arena when ``out`` lies in a :class:`PinnedArena`, else into the
+    pinned staging buffers. Measured on the H200 (bench/search_gpu_overhead.py, replay + sync
+    at 100K x 128): three copy nodes 38.7 µs; results written to pinned memory 30.4 µs.
+    Letting the kernels read the query from pinned memory too was slower (37.1 µs): every
+    program of the scan pulls it across PCIe before its first tile."""
 
-    def __init__(self, index: CudaFlatIndex, nq: int, k: int, scoped: bool, staging: Staging):
+    def __init__(self, index: CudaFlatIndex, nq: int, k: int, scoped: bool, staging: Staging,
+                 out: tuple[np.ndarray, np.ndarray] | None = None) -> None:  # fmt: skip
+        import torch
+
         self.inputs = _Inputs(staging, nq, True)
         m = nq * k
-        super().__init__(
-            index, nq, k, scoped,
-            query=self.inputs.query,
-            scope=self.inputs.scope,
-            scores=staging.scores[:m].view(nq, k),
-            ids=staging.ids[:m].view(nq, k),
-        )  # fmt: skip
+        if out is None:
+            scores, ids = staging.scores[:m].view(nq, k), staging.ids[:m].view(nq, k)
+        else:
+            scores, ids = torch.from_numpy(out[0]), torch.from_numpy(out[1])
+        super().__init__(index, nq, k, scoped, query=self.inputs.query,
+                         scope=self.inputs.scope, scores=scores, ids=ids)  # fmt: skip
 
     def _run(self) -> None:
         self.inputs.copy()
         super()._run()
+
+
+class PinnedArena:
+    """A channel's response arena (its first ``nbytes``), page-locked and mapped for the GPU
+    (``cuMemHostRegister``), so that a search's merge kernel writes the top-k straight into
+    the response: no staging buffer, no encoding, no copy on the host.
+
+    ``graphs`` holds this channel's search graphs, one per (batch, k, filtered), each writing
+    at the fixed addresses of that shape's response (the protocol's layout for nq x k). The
+    sidecar makes one per shm channel of a cuda sidecar and closes it, under the dispatch
+    lock, before the channel's memory goes. On the CPU (the interpreter's tests) nothing is
+    registered: the kernels reach host memory as it is.
+    """
+
+    def __init__(self, buf: np.ndarray, register: bool) -> None:
+        self._buf = buf  # keeps the mapping alive while registered
+        self.lo = int(buf.ctypes.data)
+        self.hi = self.lo + len(buf)
+        self._registered = register
+        if register:
+            cuda_ipc.host_register(self.lo, len(buf))
+        self.graphs: dict[tuple[int, int, bool], _HostResultGraph] = {}
+
+    def holds(self, arrays: tuple[np.ndarray, ...]) -> bool:
+        """Whether every array lies inside the registered range."""
+        for a in arrays:
+            start = int(a.ctypes.data)
+            if not (self.lo <= start and start + a.nbytes <= self.hi):
+                return False
+        return True
+
+    def close(self) -> None:
+        self.graphs.clear()
+        if self._registered:
+            self._registered = False
+            cuda_ipc.host_unregister(self.lo)
 
 
 class _DeviceResultGraph(SearchGraph):
@@ -239,28 +282,63 @@ class GpuSearch:
     def _stage(self, queries: np.ndarray | None, scope: tuple[int, int, int] | None) -> None:
         if queries is not None:
             self.staging.query_np[: len(queries)] = queries
-        self.staging.scope_np[:] = (0, 0, 0) if scope is None else scope
+        if scope is not None:  # an unfiltered graph does not read it
+            self.staging.scope_np[:] = scope
+
+    def pin(self, arena: np.ndarray) -> PinnedArena:
+        """Registers the start of a channel's response arena (enough for the largest graph
+        search's response) for in-place results; close it before the channel goes."""
+        cuda_ipc.ensure_context(self.device)
+        return PinnedArena(arena[: min(len(arena), PINNED_BYTES)], register=True)
 
     def search(
-        self, queries: np.ndarray, k: int, scope: tuple[int, int, int] | None
+        self,
+        queries: np.ndarray,
+        k: int,
+        scope: tuple[int, int, int] | None,
+        out: tuple[np.ndarray, np.ndarray] | None = None,
+        pinned: PinnedArena | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Top-k into host memory: (scores [nq, k], ids [nq, k]), views into pinned staging
-        valid until the next search. Batches above the graph limit take the plain path."""
+        """Top-k into host memory: (scores [nq, k], ids [nq, k]).
+
+        With ``out`` (scores f32 and ids i64 arrays, [nq, k]) the results land there, and
+        ``out`` is returned: written by the merge kernel itself when ``out`` lies in
+        ``pinned`` (a channel's registered response arena; the graph is cached there per
+        shape, so ``out`` must be that shape's fixed place in it), else copied from staging.
+        Without, views into pinned staging valid until the next search. Batches above the
+        graph limit take the plain path."""
         nq = len(queries)
         if nq > self.max_batch or k > 1024:
-            return self.index.search(queries, k, scope=scope)
-        key = (nq, k, scope is not None)
-        graph = self._graphs.get(key)
-        if graph is None:
-            graph = self._graphs[key] = _HostResultGraph(
-                self.index, nq, k, scope is not None, self.staging
-            )
-        self._stage(queries, scope)
-        graph.replay()
-        self.stream.synchronize()
-        m = nq * k
-        s = self.staging
-        return s.scores_np[:m].reshape(nq, k), s.ids_np[:m].reshape(nq, k)
+            scores, ids = self.index.search(queries, k, scope=scope)
+        else:
+            key = (nq, k, scope is not None)
+            graph = None
+            if pinned is not None and out is not None:
+                graph = pinned.graphs.get(key)
+                if graph is None and pinned.holds(out):
+                    graph = pinned.graphs[key] = _HostResultGraph(
+                        self.index, nq, k, scope is not None, self.staging, out
+                    )
+            in_place = graph is not None
+            if graph is None:
+                graph = self._graphs.get(key)
+                if graph is None:
+                    graph = self._graphs[key] = _HostResultGraph(
+                        self.index, nq, k, scope is not None, self.staging
+                    )
+            self._stage(queries, scope)
+            graph.replay()
+            self.stream.synchronize()
+            if in_place:
+                return out  # type: ignore[return-value]
+            m = nq * k
+            s = self.staging
+            scores, ids = s.scores_np[:m].reshape(nq, k), s.ids_np[:m].reshape(nq, k)
+        if out is None:
+            return scores, ids
+        out[0][...] = scores
+        out[1][...] = ids
+        return out
 
     def search_to_device(
         self,

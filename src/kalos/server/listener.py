@@ -181,24 +181,43 @@ class Listener:
         ch = ServerChannel(next(self._ids), self._epoch, reply["arena_bytes"])
         reply["channel_id"] = ch.id
         reply["gpu"] = None
+        served = False
         try:
-            if hello.get("gpu_results") and self.gpu is not None:
+            if self.gpu is not None:
                 with self._lock:  # CUDA work stays serialised with dispatch
-                    ch.gpu = self.gpu.new_result_buffer()
-                reply["gpu"] = ch.gpu.describe()
+                    ch.pinned = self.gpu.pin(ch.resp_arena)
+                    if hello.get("gpu_results"):
+                        ch.gpu = self.gpu.new_result_buffer()
+                if ch.gpu is not None:
+                    reply["gpu"] = ch.gpu.describe()
             send_message(conn, reply, [self._control_fd, ch.fd])
-        finally:
             os.close(ch.fd)
-        self._poller.add(ch)
-        try:
+            ch.fd = -1
+            self._poller.add(ch)
+            served = True
             while conn.recv(4096):  # the client never writes after the handshake
                 pass
         finally:
-            self._poller.remove(ch)
-            self.disconnects += 1
-            if ch.gpu is not None:
-                with self._lock:
-                    ch.gpu.free()
+            if ch.fd >= 0:
+                os.close(ch.fd)
+            if served:
+                self._poller.remove(ch)
+                self.disconnects += 1
+            self._release_gpu(ch)
+
+    def _release_gpu(self, ch: ServerChannel) -> None:
+        """Frees a closed channel's GPU result buffer and unregisters its response arena,
+        under the dispatch lock: a request the poller was still serving on it has finished,
+        and a later one sees neither."""
+        if ch.gpu is None and ch.pinned is None:
+            return
+        with self._lock:
+            gpu, pinned = ch.gpu, ch.pinned
+            ch.gpu = ch.pinned = None
+            if gpu is not None:
+                gpu.free()
+            if pinned is not None:
+                pinned.close()
 
     def negotiate(
         self, hello: dict[str, Any], transports: tuple[str, ...] = ("shm", "uds")

@@ -26,7 +26,7 @@ from kalos.protocol.messages import Scope
 from kalos.stores.limits import Limits, check_size
 
 if TYPE_CHECKING:
-    from kalos.server.gpu_search import GpuResultBuffer, GpuSearch
+    from kalos.server.gpu_search import GpuResultBuffer, GpuSearch, PinnedArena
     from kalos.stores.sessions import Tokenizer
 
 NO_MATCH = -1  # a filter code that no item carries: a scope name never seen
@@ -272,17 +272,30 @@ class MemoryStore:
         return removed
 
     def search(
-        self, queries: np.ndarray, k: int, scope: Scope | None
+        self,
+        queries: np.ndarray,
+        k: int,
+        scope: Scope | None,
+        out: tuple[np.ndarray, np.ndarray] | None = None,
+        pinned: PinnedArena | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Exact top-k: (scores [nq, k] f32, ids [nq, k] i64; -1 where fewer matched).
 
-        On a GPU index the arrays are views into pinned staging memory, valid until the next
+        With ``out`` (two such arrays, e.g. views into a response) the results are written
+        there and ``out`` is returned; on a GPU index whose ``pinned`` arena holds ``out``, by
+        the search kernel itself (:class:`~kalos.server.gpu_search.PinnedArena`). Without,
+        on a GPU index the arrays are views into pinned staging memory, valid until the next
         search."""
         self.check_vectors(queries, "the query")
         check_k(k)
         if self.gpu is not None:
-            return self.gpu.search(queries, k, self.scopes.filter(scope))
-        return self.index.search(queries, k, scope=self.scopes.filter(scope))
+            return self.gpu.search(queries, k, self.scopes.filter(scope), out, pinned)
+        scores, ids = self.index.search(queries, k, scope=self.scopes.filter(scope))
+        if out is None:
+            return scores, ids
+        out[0][...] = scores
+        out[1][...] = ids
+        return out
 
     def search_to_device(
         self, buffer: GpuResultBuffer, queries: np.ndarray | None, nq: int, k: int,
