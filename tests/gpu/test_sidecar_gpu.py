@@ -129,3 +129,47 @@ def test_bad_gpu_requests_are_refused_and_serving_goes_on(gpu_sidecar):
     assert plain.ping().total_us > 0
     plain.close()
     assert client.search_gpu(np.ones(DIM, np.float32), 3).ids.shape[0] == 3
+
+
+def test_in_place_results_through_the_registered_arena(gpu_sidecar):
+    """payloads=False: the merge kernel writes the top-k straight into each channel's
+    registered response arena. Exact for batches and k of several shapes, on several
+    channels at once, across reconnects (each channel unregisters its arena when it closes),
+    and the same answers over uds (no registration: copied from staging)."""
+    import threading
+
+    sc, client, base16, ids = gpu_sidecar
+    errors_before = client.stats()["errors"]
+    rng = np.random.default_rng(11)
+    qs = rng.standard_normal((8, DIM)).astype(np.float32)
+    for nq, k in ((1, 1), (1, 10), (3, 10), (8, 64), (2, 1024)):
+        r = client.search(qs[:nq], k, payloads=False)
+        assert r.ids.shape == (nq, k) and r.payloads is None
+        for i in range(nq):
+            want, _ = exact_topk(base16, qs[i], k)
+            assert_same_topk(r.ids[i], r.scores[i], want, ids, base16, qs[i])
+        # a scoped search of the same shape takes its own graph and sees only its scope
+        s = client.search(qs[:nq], k, payloads=False, scope=kalos.Scope("globex", "u1"))
+        assert set(s.ids.ravel().tolist()) <= set(ids[N // 2 :].tolist()) | {-1}
+    want = client.search(qs, 10, payloads=False, copy=True)
+    errors: list[BaseException] = []
+
+    def worker(n: int) -> None:
+        try:
+            for _ in range(n):  # a fresh channel (and registration) each round
+                with sc.connect(timeout=60) as c:
+                    for _ in range(20):
+                        r = c.search(qs, 10, payloads=False)
+                        np.testing.assert_array_equal(r.ids, want.ids)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(5,)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    with sc.connect(transport="uds", timeout=60) as u:
+        np.testing.assert_array_equal(u.search(qs, 10, payloads=False).ids, want.ids)
+    assert client.stats()["errors"] == errors_before
