@@ -45,6 +45,10 @@ _DTYPES: dict[int, np.dtype] = {
 }
 
 
+_F32 = np.dtype(np.float32)
+_I64 = np.dtype(np.int64)
+
+
 def _pad8(n: int) -> int:
     return (n + 7) & ~7
 
@@ -124,6 +128,12 @@ def _array(buf: np.ndarray, off: int, dtype: np.dtype, count: int, end: int) -> 
     return buf[off : off + nbytes].view(dtype)
 
 
+def _matrix(buf: np.ndarray, off: int, dtype: np.dtype, shape: tuple[int, int], end: int):
+    """A [rows, cols] view of ``buf`` at ``off`` (one constructor call: the hot paths')."""
+    _need(off + shape[0] * shape[1] * dtype.itemsize, end)
+    return np.ndarray(shape, dtype, buf, off)
+
+
 def _fit(size: int, capacity: int, what: str) -> None:
     if size > capacity:
         raise PayloadTooLarge(f"{what} needs {size} bytes; the channel arena holds {capacity}")
@@ -151,12 +161,13 @@ def search_request_size(nq: int, dim: int, itemsize: int, sb: ScopeBytes) -> int
 
 def encode_search(buf: np.ndarray, queries: np.ndarray, k: int, sb: ScopeBytes) -> int:
     """Writes a SEARCH body (queries: [nq, dim] f32 or f16, C-contiguous); returns its length."""
-    nq, dim = queries.shape
-    size = search_request_size(nq, dim, queries.itemsize, sb)
+    shape = nq, dim = queries.shape
+    dtype = queries.dtype
+    size = 16 + sb.nbytes + _pad8(queries.nbytes)
     _fit(size, len(buf), "search request")
-    _HEAD4.pack_into(buf, 0, nq, k, dim, wire_dtype(queries.dtype))
+    _HEAD4.pack_into(buf, 0, nq, k, dim, codes.DTYPE_F16 if dtype.char == "e" else codes.DTYPE_F32)
     off = write_scope(buf, 16, sb)
-    buf[off : off + queries.nbytes].view(queries.dtype).reshape(nq, dim)[...] = queries
+    np.ndarray(shape, dtype, buf, off)[...] = queries
     return size
 
 
@@ -176,8 +187,7 @@ def decode_search(buf: np.ndarray, end: int, with_queries: bool = True) -> Searc
         raise InvalidRequest("search needs at least one query of dimension > 0")
     if not with_queries:
         return SearchRequest(np.empty((nq, 0), np.float32), k, scope)
-    q = _array(buf, off, vector_dtype(dtype), nq * dim, end).reshape(nq, dim)
-    return SearchRequest(q, k, scope)
+    return SearchRequest(_matrix(buf, off, vector_dtype(dtype), (nq, dim), end), k, scope)
 
 
 def encode_search_header(buf: np.ndarray, nq: int, dim: int, k: int, sb: ScopeBytes) -> int:
@@ -200,9 +210,8 @@ def search_response_views(buf: np.ndarray, nq: int, k: int) -> tuple[int, np.nda
     size = off + m * 8
     _fit(size, len(buf), "search response")
     _HEAD4.pack_into(buf, 0, nq, k, 0, 0)
-    scores = buf[16 : 16 + m * 4].view(np.float32).reshape(nq, k)
-    ids = buf[off:size].view(np.int64).reshape(nq, k)
-    return size, scores, ids
+    shape = (nq, k)
+    return size, np.ndarray(shape, _F32, buf, 16), np.ndarray(shape, _I64, buf, off)
 
 
 def encode_search_response(
@@ -256,9 +265,10 @@ def decode_search_response(buf: np.ndarray, end: int) -> SearchResponse:
     _need(16, end)
     nq, k, has_payloads, _ = _HEAD4.unpack_from(buf, 0)
     m = nq * k
-    scores = _array(buf, 16, np.dtype(np.float32), m, end).reshape(nq, k)
     off = 16 + _pad8(m * 4)
-    ids = _array(buf, off, np.dtype(np.int64), m, end).reshape(nq, k)
+    _need(off + m * 8, end)
+    shape = (nq, k)
+    scores, ids = np.ndarray(shape, _F32, buf, 16), np.ndarray(shape, _I64, buf, off)
     if not has_payloads:
         return SearchResponse(scores, ids, None)
     off += m * 8
