@@ -206,6 +206,8 @@ VARIANTS = {
     # name: ScanConfig(block_n, num_warps, num_stages, use_dot, skip, programs_per_sm)
     # (run 2 swept 13 shapes: fma beat dot 2.5x; fma-bn128-w4-s3-p2 was best; bench/NOTES-gpu.md)
     "fma-bn128-w4-s3-p2": st.ScanConfig(128, 4, 3, False, True, 2),
+    # session 3: the same with the final top-k in a second launch (before the fused merge)
+    "fma-bn128-w4-s3-p2-unfused": st.ScanConfig(128, 4, 3, False, True, 2, fused=False),
     "fma-bn128-w4-s4-p2": st.ScanConfig(128, 4, 4, False, True, 2),
     "fma-bn128-w4-s3-p3": st.ScanConfig(128, 4, 3, False, True, 3),
     "fma-bn256-w8-s3-p1": st.ScanConfig(256, 8, 3, False, True, 1),

@@ -168,6 +168,39 @@ def test_launch_shapes_fma_noskip_and_survivor_overflow():
         check_search(idx, x, ids, None, q, 10)
 
 
+def test_fused_final_top_k_matches_the_merge_launch():
+    """A single query's final top-k selected by the scan's last program (fused) equals the
+    separate merge launch's, bit for bit, for every metric, with a survivor overflow (skip
+    off: every candidate passes) and a scope; the ticket and the state are reset after each."""
+    from kalos.index.kernels import KEY_NONE, ScanConfig
+
+    rng = np.random.default_rng(12)
+    dim, n = 64, 400
+    x = rng.standard_normal((n, dim)).astype(np.float32)
+    ids = np.arange(n, dtype=np.int64) + 5
+    scopes = np.stack([rng.integers(1, 3, n)] * 3, axis=1).astype(np.int64)
+    q = rng.standard_normal((1, dim)).astype(np.float32)
+    for metric, skip in (("ip", True), ("ip", False), ("cosine", True), ("l2", True)):
+        got = []
+        for fused in (True, False):
+            idx = make_index(metric, "fp16", dim, "cpu")
+            idx.scan_config = ScanConfig(
+                block_n=32, num_warps=4, num_stages=1, use_dot=False, skip=skip,
+                programs_per_sm=6, fused=fused,
+            )  # fmt: skip
+            idx.add(x, ids, scopes)
+            for scope in (None, (1, 0, 0)):
+                got.append(idx.search(q, 10, scope=scope))
+                ws = idx._workspace(1, 10)
+                thr, slots, _ = ws["state"]
+                assert int(ws["ticket"][0]) == 0
+                assert int(thr[0]) == KEY_NONE and bool((slots[0] == KEY_NONE).all())
+            check_search(idx, x, ids, scopes, q, 10, scope=(1, 0, 0))
+        for a, b in zip(got[:2], got[2:], strict=True):
+            np.testing.assert_array_equal(a[1], b[1], err_msg=f"{metric} skip={skip}")
+            np.testing.assert_array_equal(a[0], b[0])
+
+
 def test_group_bound_needs_k_groups():
     """The skip bound from group bests must take k groups: here the best 8 rows lie one per
     group 0..7 and the 9th and 10th in a program that runs last (the interpreter runs programs

@@ -430,7 +430,8 @@ class CudaFlatIndex:
                 torch.full((nq,), none, dtype=torch.int64, device=dev),  # thr
                 torch.full((nq, kp), none, dtype=torch.int64, device=dev),  # slots
                 torch.empty((nq, kern.survivors_width(k)), dtype=torch.int64, device=dev),
-            )
+            ),
+            "ticket": torch.zeros(1, dtype=torch.int32, device=dev),  # the fused scan's
         }
         if self._fast(nq, k):
             cfg = self._config(nq, k)
@@ -458,7 +459,7 @@ class CudaFlatIndex:
         if "cand" in ws and self._fast(nq, k):
             p = ws["programs"]
             cand = ws["cand"].view(-1)[: nq * p * kern.key_width(k)].view(nq, p, -1)
-            kern.scan_topk(
+            fused = kern.scan_topk(
                 self._vecs,
                 self._sq,
                 self._scopes,
@@ -472,7 +473,10 @@ class CudaFlatIndex:
                 scoped=scoped,
                 programs=p,
                 cfg=ws["cfg"],
+                final=(ws["ticket"], self._ids, scores, ids),
             )
+            if fused:
+                return
             kern.merge_topk(
                 cand.view(nq, -1),
                 ws["state"],

@@ -275,10 +275,17 @@ def _scan_topk_kernel(
     thr_ptr,  # thr: [>= nq] int64, largest published k-th key of one program; KEY_NONE at entry
     slot_ptr,  # slots: [nq, KP] int64, best key of program group j = pid % k; KEY_NONE at entry
     cand_ptr,  # cand: [nq, P, KP] int64, each program's top-KP keys, sorted descending
+    ticket_ptr,  # ticket: [1] int32, programs finished (FUSED); 0 at entry, reset here
+    surv_ptr,  # merge_topk's arguments, for the fused final top-k (FUSED)
+    ids_ptr,
+    scores_ptr,
+    out_ids_ptr,
     nq,
     k,
     cap,
     stride_q,
+    stride_os,
+    stride_oi,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -293,6 +300,9 @@ def _scan_topk_kernel(
     DOT_F32: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     CTA_OR: tl.constexpr,  # the skip decision through _cta_any (GPU; not under the interpreter)
+    FUSED: tl.constexpr,  # nq == 1: the last program to finish does merge_topk's work
+    SURV: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -359,6 +369,103 @@ def _scan_topk_kernel(
 
     out = cand_ptr + qs[:, None] * (P * KP) + pid * KP + kk[None, :]
     tl.store(out, run, mask=qs_ok[:, None])
+    if FUSED:
+        # The last program to finish selects the final top-k, saving the merge launch. The
+        # barrier orders every thread's candidate stores (and bound raises) before this
+        # program's ticket; the ticket is acq_rel at GPU scope: the last taker sees what every
+        # program did before its own ticket, and reads it past its L1 (_final_topk's FRESH).
+        tl.debug_barrier()
+        ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
+        if ticket == P - 1:
+            _final_topk(
+                pid * 0, cand_ptr, thr_ptr, slot_ptr, surv_ptr, ids_ptr, q_ptr, scores_ptr,
+                out_ids_ptr, P * KP, k, stride_q, stride_os, stride_oi, D, BLOCK_D, KP, SURV,
+                CHUNK, METRIC, True, True,
+            )  # fmt: skip
+            tl.store(ticket_ptr, 0)
+
+
+@triton.jit
+def _final_topk(
+    qid,
+    cand_ptr,
+    thr_ptr,
+    slot_ptr,
+    surv_ptr,
+    ids_ptr,
+    q_ptr,
+    scores_ptr,
+    out_ids_ptr,
+    NCAND,
+    k,
+    stride_q,
+    stride_os,
+    stride_oi,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    KP: tl.constexpr,
+    SURV: tl.constexpr,
+    CHUNK: tl.constexpr,
+    METRIC: tl.constexpr,
+    SELECT: tl.constexpr,
+    FRESH: tl.constexpr,
+):
+    # The final top-k of query qid from its candidates (see merge_topk). FRESH: the state
+    # and candidates were written by other programs of this same launch (the fused scan's
+    # last program): read them past this multiprocessor's L1 (volatile loads).
+    kk = tl.arange(0, KP)
+    base = cand_ptr + qid.to(tl.int64) * NCAND
+    if SELECT:
+        # The scan has finished: nothing writes thr or the group bests while this runs, so
+        # every thread reads the same bound, and it is at most the true k-th key.
+        thr = tl.load(thr_ptr + qid, volatile=FRESH)
+        best = tl.load(slot_ptr + qid * KP + kk, mask=kk < k, other=_KEY_MAX, volatile=FRESH)
+        bound = tl.maximum(thr, tl.min(best, axis=0))
+        # Survivors: the candidates >= bound (every true top-k key is one), compacted into
+        # surv by a prefix sum over the candidates (no atomics, no order assumed).
+        offs = tl.arange(0, CHUNK)
+        sbase = surv_ptr + qid.to(tl.int64) * SURV
+        total = 0
+        for c0 in range(0, NCAND, CHUNK):
+            c = tl.load(base + c0 + offs, mask=c0 + offs < NCAND, other=_KEY_NONE, volatile=FRESH)
+            live = ((c >= bound) & (c != _KEY_NONE)).to(tl.int32)
+            pos = total + tl.cumsum(live, axis=0) - 1
+            tl.store(sbase + pos, c, mask=(live != 0) & (pos < SURV))
+            total += tl.sum(live, axis=0)
+        # the survivors stored above are read below by other threads of this program; and
+        # every thread has read thr and the group bests before they are reset further down
+        tl.debug_barrier()
+        if total <= SURV:  # the usual case: sort the few survivors
+            so = tl.arange(0, SURV)
+            sv = tl.load(sbase + so, mask=so < total, other=_KEY_NONE)
+            top = _topk_desc(sv[None, :], KP)
+        else:  # too many (weak bound): every program's list
+            c = tl.load(base + offs, mask=offs < NCAND, other=_KEY_NONE, volatile=FRESH)
+            top = _topk_desc(c[None, :], KP)
+            for c0 in range(CHUNK, NCAND, CHUNK):
+                c = tl.load(
+                    base + c0 + offs, mask=c0 + offs < NCAND, other=_KEY_NONE, volatile=FRESH
+                )
+                top = _merge_desc(top, _topk_desc(c[None, :], KP))
+        key = tl.reshape(top, [KP])
+        # reset the search state for the next search (a captured graph needs no reset node)
+        tl.store(thr_ptr + qid, _KEY_NONE)
+        tl.store(slot_ptr + qid * KP + kk, tl.full([KP], _KEY_NONE, tl.int64))
+    else:
+        key = tl.load(base + kk, mask=kk < NCAND, other=_KEY_NONE)
+    s, row = _scores_from_keys(key)
+    ok = key != _KEY_NONE
+    ids = tl.load(ids_ptr + row, mask=ok, other=-1)
+    if METRIC == 2:
+        dc = tl.arange(0, BLOCK_D)
+        qrow = tl.load(q_ptr + qid * stride_q + dc, mask=dc < D, other=0.0).to(tl.float32)
+        d = tl.maximum(tl.sum(qrow * qrow, axis=0) - s, 0.0)
+        s = tl.where(ok, d, float("inf"))
+    else:
+        s = tl.where(ok, s, float("-inf"))
+    wm = kk < k
+    tl.store(scores_ptr + qid * stride_os + kk, s, mask=wm)
+    tl.store(out_ids_ptr + qid * stride_oi + kk, ids, mask=wm)
 
 
 @triton.jit
@@ -384,58 +491,11 @@ def _merge_topk_kernel(
     METRIC: tl.constexpr,
     SELECT: tl.constexpr,
 ):
-    qid = tl.program_id(0)
-    kk = tl.arange(0, KP)
-    base = cand_ptr + qid.to(tl.int64) * NCAND
-    if SELECT:
-        # The scan has finished: nothing writes thr or the group bests while this runs, so
-        # every thread reads the same bound, and it is at most the true k-th key.
-        thr = tl.load(thr_ptr + qid)
-        best = tl.load(slot_ptr + qid * KP + kk, mask=kk < k, other=_KEY_MAX)
-        bound = tl.maximum(thr, tl.min(best, axis=0))
-        # Survivors: the candidates >= bound (every true top-k key is one), compacted into
-        # surv by a prefix sum over the candidates (no atomics, no order assumed).
-        offs = tl.arange(0, CHUNK)
-        sbase = surv_ptr + qid.to(tl.int64) * SURV
-        total = 0
-        for c0 in range(0, NCAND, CHUNK):
-            c = tl.load(base + c0 + offs, mask=c0 + offs < NCAND, other=_KEY_NONE)
-            live = ((c >= bound) & (c != _KEY_NONE)).to(tl.int32)
-            pos = total + tl.cumsum(live, axis=0) - 1
-            tl.store(sbase + pos, c, mask=(live != 0) & (pos < SURV))
-            total += tl.sum(live, axis=0)
-        # the survivors stored above are read below by other threads of this program; and
-        # every thread has read thr and the group bests before they are reset further down
-        tl.debug_barrier()
-        if total <= SURV:  # the usual case: sort the few survivors
-            so = tl.arange(0, SURV)
-            sv = tl.load(sbase + so, mask=so < total, other=_KEY_NONE)
-            top = _topk_desc(sv[None, :], KP)
-        else:  # too many (weak bound): every program's list
-            c = tl.load(base + offs, mask=offs < NCAND, other=_KEY_NONE)
-            top = _topk_desc(c[None, :], KP)
-            for c0 in range(CHUNK, NCAND, CHUNK):
-                c = tl.load(base + c0 + offs, mask=c0 + offs < NCAND, other=_KEY_NONE)
-                top = _merge_desc(top, _topk_desc(c[None, :], KP))
-        key = tl.reshape(top, [KP])
-        # reset the search state for the next search (a captured graph needs no reset node)
-        tl.store(thr_ptr + qid, _KEY_NONE)
-        tl.store(slot_ptr + qid * KP + kk, tl.full([KP], _KEY_NONE, tl.int64))
-    else:
-        key = tl.load(base + kk, mask=kk < NCAND, other=_KEY_NONE)
-    s, row = _scores_from_keys(key)
-    ok = key != _KEY_NONE
-    ids = tl.load(ids_ptr + row, mask=ok, other=-1)
-    if METRIC == 2:
-        dc = tl.arange(0, BLOCK_D)
-        qrow = tl.load(q_ptr + qid * stride_q + dc, mask=dc < D, other=0.0).to(tl.float32)
-        d = tl.maximum(tl.sum(qrow * qrow, axis=0) - s, 0.0)
-        s = tl.where(ok, d, float("inf"))
-    else:
-        s = tl.where(ok, s, float("-inf"))
-    wm = kk < k
-    tl.store(scores_ptr + qid * stride_os + kk, s, mask=wm)
-    tl.store(out_ids_ptr + qid * stride_oi + kk, ids, mask=wm)
+    _final_topk(
+        tl.program_id(0), cand_ptr, thr_ptr, slot_ptr, surv_ptr, ids_ptr, q_ptr, scores_ptr,
+        out_ids_ptr, NCAND, k, stride_q, stride_os, stride_oi, D, BLOCK_D, KP, SURV, CHUNK,
+        METRIC, SELECT, False,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -500,10 +560,14 @@ class ScanConfig:
 
     block_n: rows per tile; num_warps / num_stages: Triton's; use_dot: score with tensor cores
     (``tl.dot``) rather than FMAs; skip: the published-threshold skip (off only for experiments);
-    programs_per_sm: persistent programs per multiprocessor (the grid is fixed by capacity).
+    programs_per_sm: persistent programs per multiprocessor (the grid is fixed by capacity);
+    fused: a single query's final top-k is selected by the scan's last program rather than by a
+    second launch (``merge_topk``).
     """
 
-    __slots__ = ("block_n", "num_stages", "num_warps", "programs_per_sm", "skip", "use_dot")
+    __slots__ = (
+        "block_n", "fused", "num_stages", "num_warps", "programs_per_sm", "skip", "use_dot",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -513,8 +577,10 @@ class ScanConfig:
         use_dot: bool = True,
         skip: bool = True,
         programs_per_sm: int = 2,
+        fused: bool = True,
     ) -> None:
         self.block_n = block_n
+        self.fused = fused
         self.num_warps = num_warps
         self.num_stages = num_stages
         self.use_dot = use_dot
@@ -525,7 +591,7 @@ class ScanConfig:
         return (
             f"ScanConfig(block_n={self.block_n}, num_warps={self.num_warps}, "
             f"num_stages={self.num_stages}, use_dot={self.use_dot}, skip={self.skip}, "
-            f"programs_per_sm={self.programs_per_sm})"
+            f"programs_per_sm={self.programs_per_sm}, fused={self.fused})"
         )
 
 
@@ -614,6 +680,11 @@ def survivors_width(k: int) -> int:
     return 16 * key_width(k)
 
 
+# Candidates per step of the fused final top-k: the scan's program (4 warps) holds a step in
+# registers, so smaller steps than merge_topk's own (8 warps, up to 8192).
+FUSED_CHUNK = 2048
+
+
 def merge_chunk(ncand: int, k: int) -> int:
     """Candidates per step of merge_topk (one step for up to 8192: ~500 programs at k <= 16)."""
     return max(key_width(k), min(8192, next_pow2(max(ncand, key_width(k)))))
@@ -652,13 +723,19 @@ def scan_topk(
     scoped: bool,
     programs: int,
     cfg: ScanConfig,
-) -> None:
+    final: tuple | None = None,
+) -> bool:
     """Launch the fused scan.
 
     db: [cap, D] fp16 | bf16 | fp32; sqnorms: [cap] fp32; scopes: [3, cap] int64; filt: [3] int64;
     q: [nq, D] (unit stride in D); n_dev: [1] int32; state: (thr [>= nq] int64 KEY_NONE,
     slots [nq, KP] int64 KEY_NONE, surv [nq, SURV] int64 scratch), thr and slots reset by
     merge_topk; cand: [nq, programs, KP] int64, written. No host sync, no allocation.
+
+    final: (ticket [1] int32 zero, ids, scores_out, ids_out) as for :func:`merge_topk`: for a
+    single query with ``cfg.fused`` the scan's last program selects the final top-k into
+    them (and resets the state and the ticket). Returns whether it did; if not, the caller
+    runs merge_topk.
     """
     nq, dim = q.shape
     kp = key_width(k)
@@ -666,7 +743,16 @@ def scan_topk(
     use_dot = cfg.use_dot or nq > 1
     prec = "ieee" if db.dtype.itemsize == 4 else "tf32"
     mode = _skip_mode()
-    thr, slots, _surv = state
+    thr, slots, surv = state
+    fused = final is not None and nq == 1 and cfg.fused
+    if fused:
+        assert final is not None
+        ticket, ids, scores_out, ids_out = final
+        stride_os, stride_oi = scores_out.stride(0), ids_out.stride(0)
+    else:  # unused pointers
+        ticket = ids = scores_out = ids_out = cand
+        stride_os = stride_oi = 0
+    ncand = programs * kp
     _scan_topk_kernel[(programs,)](
         db,
         sqnorms,
@@ -677,10 +763,17 @@ def scan_topk(
         thr,
         slots,
         cand,
+        ticket,
+        surv,
+        ids,
+        scores_out,
+        ids_out,
         nq,
         k,
         db.shape[0],
         q.stride(0),
+        stride_os,
+        stride_oi,
         D=dim,
         BLOCK_D=block_d(dim),
         BLOCK_N=bn,
@@ -695,9 +788,13 @@ def scan_topk(
         DOT_F32=_dot_f32(db),
         NUM_STAGES=cfg.num_stages,
         CTA_OR=mode == "ptx",
+        FUSED=fused,
+        SURV=surv.shape[1],
+        CHUNK=min(FUSED_CHUNK, merge_chunk(ncand, k)),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
+    return fused
 
 
 def merge_topk(
