@@ -41,6 +41,7 @@ import triton.language as tl
 
 from kalos.bench.search_gpu import _host_times
 from kalos.client import scope_bytes
+from kalos.gpu import driver
 from kalos.index.cuda_flat import CudaFlatIndex, SearchGraph
 from kalos.protocol import messages as M
 from kalos.protocol.codes import Op
@@ -164,7 +165,21 @@ def run_size(n: int, dim: int, k: int, reps: int, sidecar: Sidecar) -> dict:
         status, _, _, _ = handle(Op.SEARCH, 0, bodies[i % 256][: lengths[i % 256]], out)
         assert status == 0, bytes(out[:200])
 
-    fns = {"empty+sync": empty_fn, **{name: replay_fn(g) for name, g in variants.items()},
+    # session 3: the same graphs launched and waited for through the driver (ctypes), without
+    # torch's CUDAGraph.replay bookkeeping and Stream.synchronize
+    empty_raw = driver.graph_launcher(empty.raw_cuda_graph_exec(), stream.cuda_stream)
+    served = variants["served+sync"]
+    served_raw = driver.graph_launcher(served._graph.raw_cuda_graph_exec(), stream.cuda_stream)
+
+    def empty_raw_fn(i: int) -> None:
+        empty_raw()
+
+    def served_raw_fn(i: int) -> None:
+        staging.query_np[0] = qs[i % 256]
+        served_raw()
+
+    fns = {"empty+sync": empty_fn, "empty+raw": empty_raw_fn,
+           **{name: replay_fn(g) for name, g in variants.items()}, "served+raw": served_raw_fn,
            "served+spin": spin_fn, "gpusearch": gpusearch_fn, "dispatch": dispatch_fn}  # fmt: skip
     for name, fn in fns.items():  # correctness of every variant that returns top-k
         for i in range(20):
@@ -173,7 +188,7 @@ def run_size(n: int, dim: int, k: int, reps: int, sidecar: Sidecar) -> dict:
                 check(gs.staging.ids_np[:k].copy(), i)
             elif name == "dispatch":
                 check(sidecar.gpu.staging.ids_np[:k].copy(), i)
-            elif name != "empty+sync":
+            elif not name.startswith("empty"):
                 check(staging.ids_np[:k].copy(), i)
     samples: dict[str, list[np.ndarray]] = {name: [] for name in fns}
     for _ in range(5):  # interleaved blocks
@@ -182,6 +197,14 @@ def run_size(n: int, dim: int, k: int, reps: int, sidecar: Sidecar) -> dict:
                 fn(i)
             samples[name].append(_host_times(fn, reps // 5)[0])
     rows += [_row(name, np.concatenate(s)) for name, s in samples.items()]
+    # what one torch replay of the served graph puts on the GPU besides the graph
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for i in range(10):
+            replay_fn(served)(i)
+    counts: dict[str, int] = {}
+    for e in prof.events():
+        counts[e.name] = counts.get(e.name, 0) + 1
+    print("10 torch replays, GPU events:", {k: v for k, v in counts.items() if v})
     return {"params": {"n": n, "dim": dim, "dtype": "float16", "k": k, "batch": 1},
             "rows": rows, "wrong_results": wrong}  # fmt: skip
 

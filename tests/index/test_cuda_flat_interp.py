@@ -446,6 +446,10 @@ def test_graph_api_on_cpu_runs_the_same_search():
     idx.add(best[None], np.array([5000], dtype=np.int64), np.array([[1, 2, 9]]))
     g.replay()
     assert g.ids[0, 0].item() == 5000
+    # replay_and_wait (the sidecar's: a driver launch on the GPU) runs the same search
+    g.ids.fill_(-7)
+    g.replay_and_wait(None)
+    assert g.ids[0, 0].item() == 5000
 
 
 def test_validation_errors():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from kalos.gpu import cuda_ipc
+from kalos.gpu import driver
 
 
 class GpuChannel:
@@ -21,24 +21,24 @@ class GpuChannel:
         import torch
 
         self.device = int(desc["device"])
-        cuda_ipc.ensure_context(self.device)
-        self.ptr = cuda_ipc.ipc_open(bytes.fromhex(desc["handle"]))
+        driver.ensure_context(self.device)
+        self.ptr = driver.ipc_open(bytes.fromhex(desc["handle"]))
         dim = int(desc["dim"])
         self.max_queries = int(desc["max_queries"])
         self.max_hits = int(desc["max_hits"])
-        self.query = cuda_ipc.tensor_at(
+        self.query = driver.tensor_at(
             self.ptr + int(desc["query_offset"]), (self.max_queries, dim), torch.float32,
             self.device,
         )  # fmt: skip
-        self.ids = cuda_ipc.tensor_at(
+        self.ids = driver.tensor_at(
             self.ptr + int(desc["ids_offset"]), (self.max_hits,), torch.int64, self.device
         )
-        self.scores = cuda_ipc.tensor_at(
+        self.scores = driver.tensor_at(
             self.ptr + int(desc["scores_offset"]), (self.max_hits,), torch.float32, self.device
         )
         # A sidecar older than protocol 1.1 has no token slots: max_tokens 0.
         self.max_tokens = int(desc.get("max_tokens", 0))
-        self.tokens = cuda_ipc.tensor_at(
+        self.tokens = driver.tensor_at(
             self.ptr + int(desc.get("tokens_offset", 0)), (self.max_tokens,), torch.int32,
             self.device,
         )  # fmt: skip
@@ -47,5 +47,5 @@ class GpuChannel:
         if self.ptr:
             del self.query, self.ids, self.scores, self.tokens
             with contextlib.suppress(RuntimeError):  # the context may be gone at exit
-                cuda_ipc.ipc_close(self.ptr)
+                driver.ipc_close(self.ptr)
             self.ptr = 0

@@ -11,7 +11,7 @@ once as a CUDA graph that does, in one launch:
 
 then the poller waits for the stream and publishes the response. In GPU-result mode nothing
 of the results crosses PCIe: the client reads them as torch tensors over the channel's GPU
-buffer, which it mapped once through CUDA IPC (:mod:`kalos.gpu.cuda_ipc`).
+buffer, which it mapped once through CUDA IPC (:mod:`kalos.gpu.driver`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from kalos.errors import ConfigError, InvalidRequest
-from kalos.gpu import cuda_ipc
+from kalos.gpu import driver
 from kalos.index.cuda_flat import CudaFlatIndex, SearchGraph
 
 # Per-channel GPU result buffer: room for this many queries and hits (nq * k).
@@ -66,16 +66,16 @@ class GpuResultBuffer:
             staging = torch.zeros(GPU_MAX_TOKENS, dtype=torch.int32).pin_memory()
         self._token_staging = staging
         self._token_staging_mv = memoryview(staging.numpy()).cast("B")
-        self.ptr = cuda_ipc.mem_alloc(self.nbytes)
-        self.handle = cuda_ipc.ipc_handle(self.ptr)
-        self.query = cuda_ipc.tensor_at(self.ptr, (GPU_MAX_QUERIES, dim), torch.float32, device)
-        self.ids = cuda_ipc.tensor_at(
+        self.ptr = driver.mem_alloc(self.nbytes)
+        self.handle = driver.ipc_handle(self.ptr)
+        self.query = driver.tensor_at(self.ptr, (GPU_MAX_QUERIES, dim), torch.float32, device)
+        self.ids = driver.tensor_at(
             self.ptr + self.ids_offset, (GPU_MAX_HITS,), torch.int64, device
         )
-        self.scores = cuda_ipc.tensor_at(
+        self.scores = driver.tensor_at(
             self.ptr + self.scores_offset, (GPU_MAX_HITS,), torch.float32, device
         )
-        self.tokens = cuda_ipc.tensor_at(
+        self.tokens = driver.tensor_at(
             self.ptr + self.tokens_offset, (GPU_MAX_TOKENS,), torch.int32, device
         )
         self._stream = torch.cuda.current_stream
@@ -115,7 +115,7 @@ class GpuResultBuffer:
     def free(self) -> None:
         self.graphs.clear()
         if self.ptr:
-            cuda_ipc.mem_free(self.ptr)
+            driver.mem_free(self.ptr)
             self.ptr = 0
 
 
@@ -189,7 +189,7 @@ class PinnedArena:
         self.hi = self.lo + len(buf)
         self._registered = register
         if register:
-            cuda_ipc.host_register(self.lo, len(buf))
+            driver.host_register(self.lo, len(buf))
         self.graphs: dict[tuple[int, int, bool], _HostResultGraph] = {}
 
     def holds(self, arrays: tuple[np.ndarray, ...]) -> bool:
@@ -204,7 +204,7 @@ class PinnedArena:
         self.graphs.clear()
         if self._registered:
             self._registered = False
-            cuda_ipc.host_unregister(self.lo)
+            driver.host_unregister(self.lo)
 
 
 class _DeviceResultGraph(SearchGraph):
@@ -264,7 +264,7 @@ class GpuSearch:
         self._torch = torch
         self.index = index
         self.device = index.device.index or 0
-        cuda_ipc.ensure_context(self.device)
+        driver.ensure_context(self.device)
         self.max_batch = min(index._max_batch, GPU_MAX_QUERIES)
         self.staging = Staging(index.dim, self.max_batch, index.device)
         # Recall token ids on their way into a channel's GPU buffer (dispatch is serial).
@@ -276,7 +276,7 @@ class GpuSearch:
 
     def new_result_buffer(self) -> GpuResultBuffer:
         """A GPU result buffer for a new channel (called from the listener's thread)."""
-        cuda_ipc.ensure_context(self.device)
+        driver.ensure_context(self.device)
         return GpuResultBuffer(self.index.dim, self.device, self.token_staging)
 
     def _stage(self, queries: np.ndarray | None, scope: tuple[int, int, int] | None) -> None:
@@ -288,7 +288,7 @@ class GpuSearch:
     def pin(self, arena: np.ndarray) -> PinnedArena:
         """Registers the start of a channel's response arena (enough for the largest graph
         search's response) for in-place results; close it before the channel goes."""
-        cuda_ipc.ensure_context(self.device)
+        driver.ensure_context(self.device)
         return PinnedArena(arena[: min(len(arena), PINNED_BYTES)], register=True)
 
     def search(
@@ -327,8 +327,7 @@ class GpuSearch:
                         self.index, nq, k, scope is not None, self.staging
                     )
             self._stage(queries, scope)
-            graph.replay()
-            self.stream.synchronize()
+            graph.replay_and_wait(self.stream)
             if in_place:
                 return out  # type: ignore[return-value]
             m = nq * k
@@ -357,5 +356,4 @@ class GpuSearch:
                 self.index, nq, k, scope is not None, self.staging, buffer, queries is None
             )
         self._stage(queries, scope)
-        graph.replay()
-        self.stream.synchronize()
+        graph.replay_and_wait(self.stream)

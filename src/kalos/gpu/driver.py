@@ -1,4 +1,7 @@
-"""CUDA IPC through the driver API (libcuda, present wherever the driver is), via ctypes.
+"""The CUDA driver API calls Kalos makes, via ctypes (libcuda, present wherever the driver
+is): CUDA IPC of the channels' GPU result buffers, page-locking of the channels' response
+arenas (:func:`host_register`), and launching a captured graph and waiting for it
+(:func:`graph_launcher`).
 
 The sidecar allocates each channel's GPU result buffer with ``cuMemAlloc`` (not through
 torch's caching allocator, whose blocks are sub-allocated: an IPC handle names a whole
@@ -53,6 +56,8 @@ def _driver() -> ctypes.CDLL:
             lib.cuIpcCloseMemHandle.argtypes = [ctypes.c_uint64]
             lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
             lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
+            lib.cuGraphLaunch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+            lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
             lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
             _lib = lib
         return _lib
@@ -99,6 +104,25 @@ def host_register(ptr: int, nbytes: int) -> None:
 
 def host_unregister(ptr: int) -> None:
     _check(_driver().cuMemHostUnregister(ptr), "cuMemHostUnregister")
+
+
+def graph_launcher(graph_exec: int, stream: int) -> Any:
+    """A no-argument function that launches the instantiated CUDA graph ``graph_exec`` (a
+    ``cudaGraphExec_t``, e.g. torch's ``CUDAGraph.raw_cuda_graph_exec()``) on ``stream`` (a
+    ``cudaStream_t``) and waits for the stream, through the driver: no torch bookkeeping per
+    launch. ctypes drops the GIL during both calls."""
+    lib = _driver()
+    launch, sync = lib.cuGraphLaunch, lib.cuStreamSynchronize
+    g, s = ctypes.c_void_p(graph_exec), ctypes.c_void_p(stream)
+
+    def run() -> None:
+        rc = launch(g, s)
+        if rc == 0:
+            rc = sync(s)
+        if rc != 0:
+            _check(rc, "cuGraphLaunch + cuStreamSynchronize")
+
+    return run
 
 
 def ipc_handle(ptr: int) -> bytes:
