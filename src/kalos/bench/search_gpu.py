@@ -268,9 +268,12 @@ def _profile(torch: Any, dim: int = 128, n: int = 1_000_000) -> dict[str, Any]:
     path = os.path.join(tempfile.gettempdir(), "kalos-gpu-results-trace.json")
     prof.export_chrome_trace(path)
     dtoh = sum(v for name, v in counts.items() if "DtoH" in name)
-    graphs = sum(1 for e in prof.events() if "cudaGraphLaunch" in e.name)
+    # the sidecar launches its graphs through the driver (cuGraphLaunch; the runtime's
+    # cudaGraphLaunch before): count either, and the scan kernels that ran on the GPU
+    graphs = sum(1 for e in prof.events() if e.name in ("cudaGraphLaunch", "cuGraphLaunch"))
+    scans = sum(1 for e in prof.events() if e.name == "_scan_topk_kernel")
     return {"recalls": 1000, "copy_events": counts, "device_to_host_copies": dtoh,
-            "graph_launches": graphs, "trace": path}  # fmt: skip
+            "graph_launches": graphs, "scan_kernels": scans, "trace": path}  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
