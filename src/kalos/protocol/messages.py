@@ -686,13 +686,20 @@ the turns' role and text bytes copied, has_system); meta and text are None when 
 did not ask for the turns."""
 
 
+_frombuffer = np.frombuffer
+_I32 = np.dtype(np.int32)
+_unpack_head4 = _HEAD4.unpack_from
+
+
 def decode_context_response(buf: np.ndarray, end: int) -> ContextResponse:
-    _need(16, end)
-    nm, nt, has_system, has_turns = _HEAD4.unpack_from(buf, 0)
+    if end < 16:
+        _need(16, end)
+    nm, nt, has_system, has_turns = _unpack_head4(buf, 0)
     tok_end = 16 + 4 * nt
     if not has_turns:
-        _need(tok_end, end)
-        return np.frombuffer(buf, np.int32, nt, 16), None, None, bool(has_system)
+        if tok_end > end:
+            _need(tok_end, end)
+        return _frombuffer(buf, _I32, nt, 16), None, None, has_system != 0
     meta_at = (tok_end + 7) & ~7
     text_at = meta_at + 16 * nm
     _need(text_at, end)

@@ -65,6 +65,7 @@ WRITE_OPS: frozenset[int] = frozenset(
     }
 )
 
+_OK = int(Status.OK)  # an IntEnum member costs ~0.08 µs per attribute lookup
 _PIN_SYSTEM = int(codes.AppendFlag.PIN_SYSTEM)
 _SET_ROLLING = int(codes.AppendFlag.SET_ROLLING)
 _ROLLING = int(codes.AppendFlag.ROLLING)
@@ -165,7 +166,7 @@ class Dispatcher:
                 return Status.UNKNOWN_OP, n, _monotonic_ns() - t0, 0
             self.requests[op] += 1
             n, write_ns = fn(flags, body, out)
-            return Status.OK, n, _monotonic_ns() - t0 - write_ns, write_ns
+            return _OK, n, _monotonic_ns() - t0 - write_ns, write_ns
         except KalosError as exc:
             self.errors += 1
             n = M.encode_text(out, str(exc))
