@@ -257,11 +257,19 @@ class Dispatcher:
 
     def _context(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
         session, max_tokens, max_turns, scope = M.decode_context(body, len(body))
-        tokens, meta, text, system = self.sessions.context(
+        if flags & _TURNS:
+            tokens, meta, text, system = self.sessions.context(
+                session, max_tokens, max_turns, now=self.now_ns * 1e-9, scope=scope
+            )
+            t = _monotonic_ns()
+            n = M.encode_context_response(out, tokens, meta, text, system)
+            return n, _monotonic_ns() - t
+        # Only the token ids travel: the store does not slice the turns' meta and text.
+        tokens, n_turns, system = self.sessions.context_tokens(
             session, max_tokens, max_turns, now=self.now_ns * 1e-9, scope=scope
         )
         t = _monotonic_ns()
-        n = M.encode_context_response(out, tokens, meta, text, system, bool(flags & _TURNS))
+        n = M.encode_context_tokens_response(out, tokens, n_turns, system)
         return n, _monotonic_ns() - t
 
     def _recall(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
