@@ -32,6 +32,7 @@ Needs redis-py (``pip install 'kalos[bench]'``) and ``redis-server`` (installed 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from typing import Any
 
@@ -40,6 +41,7 @@ import numpy as np
 from kalos.bench.baseline import DictMemory, RedisMemory, Turn, find_redis_server, redis_server
 from kalos.bench.common import (
     System,
+    cpu_split,
     level_rows,
     load_average,
     plot_levels,
@@ -67,6 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--redis-server", default=None, help="path of redis-server")
     p.add_argument("--suffix", default=None, help="appended to the result file names")
+    p.add_argument("--affinity", choices=("split", "none"), default="split",
+                   help="split: the sidecar and redis-server on this process's last CPU, the "
+                   "calling threads on the others (client and server never share a core); "
+                   "none: wherever the scheduler puts them")  # fmt: skip
 
 
 # -- the run -----------------------------------------------------------------------------------
@@ -94,10 +100,11 @@ def run(args: argparse.Namespace) -> int:
     redis_bin = find_redis_server(args.redis_server)
     budget = args.budget
     levels = list(args.concurrency)
-    with (
-        isolated_sidecar(dim=8, name="bench-context") as sidecar,
-        redis_server(redis_bin) as (r, redis_version),
-    ):
+    with contextlib.ExitStack() as stack:
+        sidecar = stack.enter_context(isolated_sidecar(dim=8, name="bench-context"))
+        r, redis_version = stack.enter_context(redis_server(redis_bin))
+        servers = {"sidecar": sidecar.process.pid, "redis": int(r.info("server")["process_id"])}
+        affinity = stack.enter_context(cpu_split(args.affinity, servers))
         client = sidecar.connect()
         redis_mem, dict_mem = RedisMemory(r), DictMemory()
         t0 = time.perf_counter()
@@ -189,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
         "concurrency": levels,
         "seed": args.seed,
         "redis": f"redis-server {redis_version}, Unix socket, redis-py, JSON list per session",
+        "affinity": affinity,
     }
     path = write_result(
         SCENARIO,
