@@ -22,6 +22,10 @@ compute, response write, client read). Threads share this process's GIL, as the 
 threads of a Python inference service do; at 64 threads on a small machine that is part of
 what is measured, for kalos and the Redis module alike.
 
+With ``--affinity split`` (the default) the sidecar and redis-server run on the last CPU and
+the calling threads on the others, so that no client shares a core with its server
+(:func:`kalos.bench.common.cpu_split`; ``params.affinity`` records it).
+
 The JSON lands in ``--out`` with a PNG beside it: latency CDFs per concurrency level, and the
 kalos stages as stacked bars. The Redis and dict modules live in :mod:`kalos.bench.baseline`.
 
