@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import shutil
 
 import numpy as np
@@ -38,6 +39,7 @@ def _bench(tmp_path, *argv: str) -> tuple[int, dict]:
 
 @needs_redis
 def test_context_bench(tmp_path):
+    before = os.sched_getaffinity(0)
     rc, result = _bench(
         tmp_path, "context", "--sessions", "6", "--turns", "8", "--requests", "60",
         "--block", "20", "--warmup", "5", "--concurrency", "1", "3",
@@ -51,6 +53,24 @@ def test_context_bench(tmp_path):
     assert list(stages) == ["client_write", "sidecar_wait", "compute", "response_write",
                             "client_read"]  # fmt: skip
     assert sum(stages.values()) == pytest.approx(rows[("kalos-shm", 3)]["mean_us"], rel=0.01)
+    assert os.sched_getaffinity(0) == before  # --affinity split (the default), undone after
+    cpus = sorted(before)
+    if len(cpus) > 1:
+        assert result["params"]["affinity"] == {
+            "client": cpus[:-1], "sidecar": cpus[-1:], "redis": cpus[-1:]
+        }  # fmt: skip
+    else:
+        assert result["params"]["affinity"] == "none"
+
+
+@needs_redis
+def test_context_bench_without_affinity(tmp_path):
+    rc, result = _bench(
+        tmp_path, "context", "--sessions", "3", "--turns", "4", "--requests", "20",
+        "--block", "10", "--warmup", "2", "--concurrency", "1", "--affinity", "none",
+    )  # fmt: skip
+    assert rc == 0 and result["mismatches"] == 0
+    assert result["params"]["affinity"] == "none"
 
 
 @needs_redis

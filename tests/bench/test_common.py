@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -15,7 +18,9 @@ from kalos.bench.common import (
     STAGES,
     Progress,
     System,
+    pin_process,
     run_interleaved,
+    split_cpus,
     split_stages,
     stage_summary,
     write_result,
@@ -213,3 +218,39 @@ def test_search_gpu_stage_split_names_the_tail() -> None:
     assert got["compute_us"] == 90.0 and got["client_us"] == 9.0
     assert got["tail"] == {"calls": 10, "queue_us": 1.0, "compute_us": 90.0, "write_us": 0.0,
                            "client_us": 49.0}  # fmt: skip
+
+
+def test_split_cpus_gives_the_servers_the_last_cpu(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 0, 5})
+    assert split_cpus("split") == ([0, 3], [5])
+    assert split_cpus("none") is None
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {2})
+    assert split_cpus("split") is None  # one CPU: nothing to split
+    with pytest.raises(ValueError, match="split"):
+        split_cpus("spread")
+
+
+def test_pin_process_pins_every_thread_of_a_child():
+    cpu = max(os.sched_getaffinity(0))  # on 2+ CPUs, not what the child started with
+    code = (
+        "import threading, time, sys\n"
+        "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+        "print('up', flush=True); sys.stdin.readline()\n"
+        "import os\n"
+        "tasks = os.listdir('/proc/self/task')\n"
+        "print(len(tasks), sorted({c for t in tasks for c in os.sched_getaffinity(int(t))}))\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline().strip() == "up"
+        pin_process(child.pid, [cpu])
+        child.stdin.write("\n")
+        child.stdin.flush()
+        out, _ = child.communicate(timeout=TIMEOUT)
+    finally:
+        child.kill()
+        child.wait()
+    assert out.split(None, 1) == ["2", f"[{cpu}]\n"]

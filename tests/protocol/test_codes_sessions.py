@@ -109,6 +109,14 @@ def test_context_response_without_turns_is_the_token_ids_alone() -> None:
     assert buf[:n].tobytes() == struct.pack("<IIIIiii", 2, 3, 1, 0, 7, 1, 2)
     got, meta_b, text_b, has_system = M.decode_context_response(buf, n)
     assert got.tolist() == [7, 1, 2] and has_system and meta_b is None and text_b is None
+    # the sidecar's own encoder for it takes the turn count, not the meta: the same bytes
+    again = np.full(64, 0xEE, np.uint8)
+    assert M.encode_context_tokens_response(again, tokens, 1, system) == n
+    assert again[:n].tobytes() == buf[:n].tobytes()
+    assert M.encode_context_tokens_response(again, tokens, 1, None) == 24
+    assert again[:24].tobytes() == struct.pack("<IIIIii", 1, 2, 0, 0, 1, 2)
+    with pytest.raises(PayloadTooLarge):
+        M.encode_context_tokens_response(np.zeros(20, np.uint8), tokens, 1, None)
     assert {f.name: int(f) for f in codes.ContextFlag} == {"TURNS": 1}
 
 

@@ -91,6 +91,12 @@ def check_context(
     np.testing.assert_array_equal(got[1], want[1])
     assert got[1].dtype == np.int32
     assert got[2] == want[2]
+    # The token-only window (CONTEXT without turns) is the same ids and turn count.
+    tokens_mv, n_turns, sp = store.context_tokens(session, max_tokens, max_turns, now=T0)
+    head = b"" if sp is None else sp.tokens
+    np.testing.assert_array_equal(np.frombuffer(head + bytes(tokens_mv), np.int32), want[1])
+    assert (sp is not None) == want[2]
+    assert n_turns == len(want[0]) - want[2]
 
 
 @pytest.fixture
@@ -168,6 +174,8 @@ def test_append_returns_turn_count_and_tokens(store: SessionStore) -> None:
 def test_unknown_session_is_not_found(store: SessionStore) -> None:
     with pytest.raises(NotFound, match="'nope'"):
         store.context("nope", 10, now=T0)
+    with pytest.raises(NotFound, match="'nope'"):
+        store.context_tokens("nope", 10, now=T0)
     with pytest.raises(NotFound):
         store.trim("nope", 1, now=T0)
     with pytest.raises(NotFound):
@@ -207,8 +215,11 @@ def test_owner_is_fixed_at_creation(store: SessionStore) -> None:
     assert store.turns("s", now=T0)[-1][1] == "c"  # the refused appends left no trace
     # reads filter by owner: another tenant does not see the session
     store.context("s", 10, now=T0, scope=Scope("acme"))
+    assert store.context_tokens("s", 10, now=T0, scope=Scope("acme"))[1] == 3
     with pytest.raises(NotFound):
         store.context("s", 10, now=T0, scope=Scope("other"))
+    with pytest.raises(NotFound):
+        store.context_tokens("s", 10, now=T0, scope=Scope("other"))
     with pytest.raises(NotFound):
         store.trim("s", 0, now=T0, scope=Scope("acme", "u2"))
     with pytest.raises(InvalidRequest, match="names session"):
@@ -250,6 +261,8 @@ def test_ttl_expires_after_the_last_append(store: SessionStore) -> None:
     assert len(window_turns(store.context("s", 10, now=T0 + 14.9))[1]) == 2
     with pytest.raises(NotFound):
         store.context("s", 10, now=T0 + 15)
+    with pytest.raises(NotFound):
+        store.context_tokens("s", 10, now=T0 + 15)
     assert store.sessions(None, now=T0 + 15) == []
     assert store.owner("s", T0 + 15) is None
 

@@ -19,6 +19,7 @@ timed around the call, on the ``time.monotonic_ns`` clock the client and sidecar
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import json
@@ -28,7 +29,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -158,6 +159,54 @@ def print_table(
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=False)))
     for r in rows:
         print("  ".join(str(r.get(c, "")).ljust(w) for c, w in zip(columns, widths, strict=False)))
+
+
+# -- CPU affinity --------------------------------------------------------------------------------
+
+
+def split_cpus(mode: str) -> tuple[list[int], list[int]] | None:
+    """``(client CPUs, server CPUs)`` for ``--affinity`` ``mode``: "split" gives the servers
+    (the sidecar's process, and a baseline's server beside it) the last CPU this process may
+    use and the benchmark's own threads the others, so that a client and its server never
+    share a core (a spinning client and a spinning sidecar on one core wait out each other's
+    spins: ~280 µs a call); None for "none", or with fewer than 2 CPUs."""
+    if mode == "none":
+        return None
+    if mode != "split":
+        raise ValueError(f"affinity must be 'split' or 'none', not {mode!r}")
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    return cpus[:-1], cpus[-1:]
+
+
+@contextlib.contextmanager
+def cpu_split(mode: str, servers: dict[str, int]) -> Iterator[dict[str, list[int]] | str]:
+    """Pins the ``servers`` (name → pid) and this process as :func:`split_cpus` says, for the
+    ``with`` block; yields what was pinned where, for the result file ("none": nothing). This
+    process's threads get their CPUs back at the end."""
+    split = split_cpus(mode)
+    if split is None:
+        yield "none"
+        return
+    client_cpus, server_cpus = split
+    mine = sorted(os.sched_getaffinity(0))
+    for pid in servers.values():  # first: a child inherits its parent's CPUs
+        pin_process(pid, server_cpus)
+    pin_process(0, client_cpus)
+    try:
+        yield {"client": client_cpus, **{name: server_cpus for name in servers}}
+    finally:
+        pin_process(0, mine)
+
+
+def pin_process(pid: int, cpus: Sequence[int]) -> None:
+    """Pins every thread of process ``pid`` (0: this one) to ``cpus``; threads it starts
+    later inherit the CPUs of the thread that starts them."""
+    tasks = f"/proc/{pid or os.getpid()}/task"
+    for tid in os.listdir(tasks):
+        with contextlib.suppress(ProcessLookupError):  # the thread ended meanwhile
+            os.sched_setaffinity(int(tid), cpus)
 
 
 # -- progress ----------------------------------------------------------------------------------

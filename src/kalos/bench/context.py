@@ -22,6 +22,10 @@ compute, response write, client read). Threads share this process's GIL, as the 
 threads of a Python inference service do; at 64 threads on a small machine that is part of
 what is measured, for kalos and the Redis module alike.
 
+With ``--affinity split`` (the default) the sidecar and redis-server run on the last CPU and
+the calling threads on the others, so that no client shares a core with its server
+(:func:`kalos.bench.common.cpu_split`; ``params.affinity`` records it).
+
 The JSON lands in ``--out`` with a PNG beside it: latency CDFs per concurrency level, and the
 kalos stages as stacked bars. The Redis and dict modules live in :mod:`kalos.bench.baseline`.
 
@@ -32,6 +36,7 @@ Needs redis-py (``pip install 'kalos[bench]'``) and ``redis-server`` (installed 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from typing import Any
 
@@ -40,6 +45,7 @@ import numpy as np
 from kalos.bench.baseline import DictMemory, RedisMemory, Turn, find_redis_server, redis_server
 from kalos.bench.common import (
     System,
+    cpu_split,
     level_rows,
     load_average,
     plot_levels,
@@ -67,6 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--redis-server", default=None, help="path of redis-server")
     p.add_argument("--suffix", default=None, help="appended to the result file names")
+    p.add_argument("--affinity", choices=("split", "none"), default="split",
+                   help="split: the sidecar and redis-server on this process's last CPU, the "
+                   "calling threads on the others (client and server never share a core); "
+                   "none: wherever the scheduler puts them")  # fmt: skip
 
 
 # -- the run -----------------------------------------------------------------------------------
@@ -94,10 +104,11 @@ def run(args: argparse.Namespace) -> int:
     redis_bin = find_redis_server(args.redis_server)
     budget = args.budget
     levels = list(args.concurrency)
-    with (
-        isolated_sidecar(dim=8, name="bench-context") as sidecar,
-        redis_server(redis_bin) as (r, redis_version),
-    ):
+    with contextlib.ExitStack() as stack:
+        sidecar = stack.enter_context(isolated_sidecar(dim=8, name="bench-context"))
+        r, redis_version = stack.enter_context(redis_server(redis_bin))
+        servers = {"sidecar": sidecar.process.pid, "redis": int(r.info("server")["process_id"])}
+        affinity = stack.enter_context(cpu_split(args.affinity, servers))
         client = sidecar.connect()
         redis_mem, dict_mem = RedisMemory(r), DictMemory()
         t0 = time.perf_counter()
@@ -189,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
         "concurrency": levels,
         "seed": args.seed,
         "redis": f"redis-server {redis_version}, Unix socket, redis-py, JSON list per session",
+        "affinity": affinity,
     }
     path = write_result(
         SCENARIO,

@@ -613,6 +613,10 @@ def decode_append_turn(buf: np.ndarray, end: int, flags: int) -> AppendTurnReque
 # role and text bytes. The system prompt, when included, is turn 0.
 
 
+_pack_head4 = _HEAD4.pack_into
+_unpack_head4 = _HEAD4.unpack_from
+
+
 def encode_context(
     buf: np.ndarray, session: bytes, max_tokens: int, max_turns: int, sb: ScopeBytes
 ) -> int:
@@ -672,20 +676,14 @@ def encode_context_response(
     """Writes a CONTEXT response, one copy per piece: the system prompt's (n_tokens, tokens,
     meta, text) first, when given, then the turns' tokens (int32 as bytes) and, with
     ``turns``, their meta (uint32 [m, 4] as bytes) and text."""
+    if not turns:
+        return encode_context_tokens_response(buf, tokens, len(meta) >> 4, system)
     nt, nm, nx = len(tokens), len(meta), len(text)  # bytes
     st = sm = sx = 0
     if system is not None:
         st, sm, sx = len(system[1]), 16, len(system[3])
     tok_end = 16 + st + nt
     mv = memoryview(buf)
-    if not turns:
-        if tok_end > len(buf):
-            _fit(tok_end, len(buf), "context response")
-        _HEAD4.pack_into(buf, 0, (sm + nm) >> 4, (st + nt) >> 2, sm >> 4, 0)
-        if system is not None:
-            mv[16 : 16 + st] = system[1]
-        mv[16 + st : tok_end] = tokens
-        return tok_end
     meta_at = (tok_end + 7) & ~7
     text_at = meta_at + sm + nm
     size = text_at + sx + nx
@@ -704,19 +702,53 @@ def encode_context_response(
     return size
 
 
+def encode_context_tokens_response(
+    buf: np.ndarray,
+    tokens: memoryview | bytes,
+    n_turns: int,
+    system: tuple[int, bytes, bytes, bytes] | None,
+) -> int:
+    """Writes a CONTEXT response without the turns (has_turns 0): the header, then the
+    system prompt's token ids when given, then ``tokens`` (int32 as bytes) of ``n_turns``
+    conversation turns."""
+    nt = len(tokens)
+    if system is None:
+        end = 16 + nt
+        if end > len(buf):
+            _fit(end, len(buf), "context response")
+        _pack_head4(buf, 0, n_turns, nt >> 2, 0, 0)
+        memoryview(buf)[16:end] = tokens
+        return end
+    st = len(system[1])
+    end = 16 + st + nt
+    if end > len(buf):
+        _fit(end, len(buf), "context response")
+    _pack_head4(buf, 0, n_turns + 1, (st + nt) >> 2, 1, 0)
+    mv = memoryview(buf)
+    mv[16 : 16 + st] = system[1]
+    mv[16 + st : end] = tokens
+    return end
+
+
 ContextResponse = tuple[np.ndarray, "bytes | None", "bytes | None", bool]
 """(tokens: int32 [n_tokens] view into the response, meta: u32 [n_turns][4] copied, text:
 the turns' role and text bytes copied, has_system); meta and text are None when the request
 did not ask for the turns."""
 
 
+_frombuffer = np.frombuffer
+_I32 = np.dtype(np.int32)
+
+
 def decode_context_response(buf: np.ndarray, end: int) -> ContextResponse:
-    _need(16, end)
-    nm, nt, has_system, has_turns = _HEAD4.unpack_from(buf, 0)
+    if end < 16:
+        _need(16, end)
+    nm, nt, has_system, has_turns = _unpack_head4(buf, 0)
     tok_end = 16 + 4 * nt
     if not has_turns:
-        _need(tok_end, end)
-        return np.frombuffer(buf, np.int32, nt, 16), None, None, bool(has_system)
+        if tok_end > end:
+            _need(tok_end, end)
+        return _frombuffer(buf, _I32, nt, 16), None, None, has_system != 0
     meta_at = (tok_end + 7) & ~7
     text_at = meta_at + 16 * nm
     _need(text_at, end)

@@ -34,6 +34,11 @@ _monotonic_ns = time.monotonic_ns
 _load = _native.load_acquire
 _store = _native.store_release
 _publish = _native.publish
+# Bound once: module attribute lookups cost ~0.03 µs each on the request path.
+_unpack_request = L.REQ_FIELDS.unpack_from
+_pack_response = L.RESP_FIELDS.pack_into
+_REQ_OP = L.REQ_OP
+_RESP_STATUS = L.RESP_STATUS
 
 
 class ServerChannel:
@@ -207,7 +212,7 @@ class Poller:
         """Answers the request published with ``seq`` on ``ch``."""
         picked = _monotonic_ns()
         buf = ch.buf
-        op, flags, body_len, publish_ns, deadline_ns = L.REQ_FIELDS.unpack_from(buf, L.REQ_OP)
+        op, flags, body_len, publish_ns, deadline_ns = _unpack_request(buf, _REQ_OP)
         queue_ns = picked - publish_ns if 0 < publish_ns <= picked else 0
         if body_len > ch.arena_bytes:
             if self.metrics is not None:
@@ -235,10 +240,10 @@ class Poller:
                 ch.requests += 1
                 self._held.append((lsn, ch, seq, status, n, queue_ns, compute_ns, write_ns))
                 return
-        L.RESP_FIELDS.pack_into(buf, L.RESP_STATUS, status, 0, n, queue_ns, compute_ns, write_ns)
+        _pack_response(buf, _RESP_STATUS, status, 0, n, queue_ns, compute_ns, write_ns)
         ch.last_seq = seq
-        ch.requests += 1
         _publish(ch.resp_seq, seq, ch.client_parked, ch.client_bell)
+        ch.requests += 1  # after the publish, as the metrics: the client does not wait for it
         metrics = self.metrics
         if metrics is not None:  # after the publish: the client is not kept waiting for it
             metrics.record(op, status, queue_ns, compute_ns, write_ns)

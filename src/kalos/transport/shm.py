@@ -37,6 +37,11 @@ _publish = _native.publish
 _wait_seq = _native.wait_seq
 _load = _native.load_acquire
 _DEADLINE = struct.Struct("<Q")
+# Bound once: module attribute lookups cost ~0.03 µs each on the request path.
+_pack_request = L.REQ_FIELDS.pack_into
+_unpack_response = L.RESP_FIELDS.unpack_from
+_REQ_OP = L.REQ_OP
+_RESP_STATUS = L.RESP_STATUS
 
 
 class ShmTransport(Transport):
@@ -85,6 +90,7 @@ class ShmTransport(Transport):
         self._buf = buf
         self._seq = _load(self._req_seq)
         self._spin_ns = int(spin_us * 1000)
+        self._sent_ns = 0  # when the last request was published (last_sent_ns)
 
     def request(self, op: int, flags: int, body_len: int, *, timeout: float) -> Response:
         if self._closed or self._broken:
@@ -95,20 +101,19 @@ class ShmTransport(Transport):
         timeout_ns = int(timeout * 1e9)
         deadline = now + timeout_ns
         buf = self._buf
-        L.REQ_FIELDS.pack_into(buf, L.REQ_OP, op, flags, body_len, now, deadline)
+        _pack_request(buf, _REQ_OP, op, flags, body_len, now, deadline)
         _publish(self._req_seq, seq, self._server_parked, self._server_bell)
+        self._sent_ns = now
         first = timeout_ns if timeout_ns < LIVENESS_SLICE_NS else LIVENESS_SLICE_NS
         if not _wait_seq(
             self._resp_seq, seq, self._client_parked, self._client_bell, self._spin_ns, first
         ):
             self._wait_slow(seq, deadline)
-        status, _flags, n, queue_ns, compute_ns, write_ns = L.RESP_FIELDS.unpack_from(
-            buf, L.RESP_STATUS
-        )
+        status, _flags, n, queue_ns, compute_ns, write_ns = _unpack_response(buf, _RESP_STATUS)
         return Response(status, self._resp_arena[:n], queue_ns, compute_ns, write_ns)
 
     def last_sent_ns(self) -> int:
-        return int(L.REQ_FIELDS.unpack_from(self._buf, L.REQ_OP)[3])
+        return self._sent_ns  # the publish stamp of the last request's header, kept
 
     def _wait_slow(self, seq: int, deadline: int) -> None:
         """Parks in slices until the response comes, the deadline passes or the sidecar dies."""
