@@ -788,3 +788,26 @@ def test_random_operations_agree_with_a_dict_model(spec: str, metric: str, ops) 
     for i, v, s in zip(dumped_ids.tolist(), dumped_vectors, dumped_scopes, strict=True):
         np.testing.assert_allclose(v, _stored(model[i][0][None], metric)[0], atol=1e-6)
         assert tuple(s.tolist()) == model[i][1]
+
+
+def test_finiteness_and_cosine_fast_paths_keep_their_answers() -> None:
+    """The query checks' shortcuts (a sum of squares for finiteness, scalar norms for one
+    row) decide as the exact forms do: large finite values whose squares overflow float32
+    pass, NaN and inf anywhere are refused, and one row normalises as it would in a batch."""
+    from kalos.index.base import check_queries, normalise_rows
+
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((1, DIM)).astype(np.float32)
+    big = q * np.float32(1e30)  # finite, but its sum of squares overflows to inf
+    assert np.array_equal(check_queries(big, DIM), big)
+    for bad in (np.nan, np.inf, -np.inf):
+        x = q.copy()
+        x[0, DIM // 2] = bad
+        with pytest.raises(InvalidRequest):
+            check_queries(x, DIM)
+    batch = np.concatenate([q, big, rng.standard_normal((2, DIM)).astype(np.float32)])
+    whole = normalise_rows(batch, "queries")
+    for i in range(len(batch)):
+        np.testing.assert_array_equal(normalise_rows(batch[i : i + 1], "queries"), whole[i : i + 1])
+    with pytest.raises(InvalidRequest, match="zero norm"):
+        normalise_rows(np.zeros((1, DIM), np.float32), "queries")

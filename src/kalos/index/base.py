@@ -35,6 +35,7 @@ NO_ID = -1
 """The id that marks "no result" in search output; it can never be stored."""
 
 _FLOAT_KINDS = (np.float16, np.float32, np.float64)
+_F32 = np.dtype(np.float32)
 _INT64_MAX = np.iinfo(np.int64).max
 
 
@@ -117,8 +118,18 @@ def _as_float_array(x: object, what: str) -> np.ndarray:
 
 
 def _check_finite(arr: np.ndarray, what: str) -> None:
-    if not np.isfinite(arr).all():
+    # A finite sum of squares means every value is finite (NaN and inf propagate); the exact
+    # check runs only when it is not (or it overflowed): half the cost on a query.
+    if not math.isfinite(np.vdot(arr, arr)) and not np.isfinite(arr).all():
         raise InvalidRequest(f"{what} contain NaN or inf")
+
+
+def _float32_rows(arr: np.ndarray) -> np.ndarray:
+    """C-contiguous float32; float64 beyond float32's range becomes inf (refused later)."""
+    if arr.dtype == _F32 and arr.flags.c_contiguous:  # a query as sent: no copy, no errstate
+        return arr
+    with np.errstate(over="ignore"):
+        return np.ascontiguousarray(arr, dtype=np.float32)
 
 
 def check_vectors(vectors: object, dim: int) -> np.ndarray:
@@ -128,8 +139,7 @@ def check_vectors(vectors: object, dim: int) -> np.ndarray:
         raise InvalidRequest(f"vectors must be 2-D [n, {dim}]; got shape {arr.shape}")
     if arr.shape[1] != dim:
         raise InvalidRequest(f"vectors have dimension {arr.shape[1]}; the index has {dim}")
-    with np.errstate(over="ignore"):  # float64 beyond float32's range becomes inf: refused below
-        arr = np.ascontiguousarray(arr, dtype=np.float32)
+    arr = _float32_rows(arr)
     _check_finite(arr, "vectors")
     return arr
 
@@ -143,8 +153,7 @@ def check_queries(queries: object, dim: int) -> np.ndarray:
         raise InvalidRequest(f"queries must be [nq, {dim}] or [{dim}]; got shape {arr.shape}")
     if arr.shape[1] != dim:
         raise InvalidRequest(f"queries have dimension {arr.shape[1]}; the index has {dim}")
-    with np.errstate(over="ignore"):
-        arr = np.ascontiguousarray(arr, dtype=np.float32)
+    arr = _float32_rows(arr)
     _check_finite(arr, "queries")
     return arr
 
@@ -224,6 +233,12 @@ def normalise_rows(vectors: np.ndarray, what: str) -> np.ndarray:
 
     Norms are taken in float64 so that large float32 values cannot overflow.
     """
+    if vectors.shape[0] == 1:  # a query: float64 scalars, no einsum (6.6 -> ~2 µs)
+        v = vectors[0].astype(np.float64)
+        norm = math.sqrt(float(np.dot(v, v)))
+        if norm == 0:
+            raise InvalidRequest(f"{what} with zero norm have no cosine similarity")
+        return (v / norm).astype(np.float32)[None, :]
     norms = np.sqrt(np.einsum("ij,ij->i", vectors, vectors, dtype=np.float64))
     if (norms == 0).any():
         raise InvalidRequest(f"{what} with zero norm have no cosine similarity")

@@ -180,11 +180,9 @@ class CpuFlatIndex:
         if self.metric == "cosine":
             q = normalise_rows(q, "queries")
         nq = q.shape[0]
-        out_scores = np.full((nq, k), missing_score(self.metric), dtype=np.float32)
-        out_ids = np.full((nq, k), NO_ID, dtype=np.int64)
         n = len(self._table)
         if n == 0:
-            return out_scores, out_ids
+            return self._missing(nq, k)
 
         # rows: the candidate rows when a selective scope filter narrows the scan, else None
         rows: np.ndarray | None = None
@@ -194,12 +192,16 @@ class CpuFlatIndex:
             mask = scope_mask(self._table.scope_columns, filt)
             matched = int(np.count_nonzero(mask))
             if matched == 0:
-                return out_scores, out_ids
+                return self._missing(nq, k)
             if matched < GATHER_BELOW * n:
                 rows = np.flatnonzero(mask)
             elif matched < n:
                 reject = ~mask
         kk = min(k, matched)
+        if kk == k:  # every slot gets a result
+            out_scores, out_ids = np.empty((nq, k), np.float32), np.empty((nq, k), np.int64)
+        else:
+            out_scores, out_ids = self._missing(nq, k)
 
         if nq == 1:
             winners, best = self._scan_one(q[0], kk, rows, reject)
@@ -213,6 +215,13 @@ class CpuFlatIndex:
                 out_ids[start:stop, :kk] = self._table.ids[winners2]
                 out_scores[start:stop, :kk] = best2
         return out_scores, out_ids
+
+    def _missing(self, nq: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(scores, ids) [nq, k] with no result in any slot."""
+        return (
+            np.full((nq, k), missing_score(self.metric), dtype=np.float32),
+            np.full((nq, k), NO_ID, dtype=np.int64),
+        )
 
     def _scan_one(
         self, q: np.ndarray, k: int, rows: np.ndarray | None, reject: np.ndarray | None
