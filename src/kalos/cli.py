@@ -25,6 +25,7 @@ def _serve(args: argparse.Namespace) -> int:
         runtime_dir=args.runtime_dir,
         spin_us=args.spin_us,
         compute_threads=args.compute_threads,
+        max_channels=args.max_channels,
         allowed_uids=tuple(args.allow_uid),
         allowed_gid=args.allow_gid,
         data_dir=args.data_dir,
@@ -105,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--reserve", type=int, default=0, help="rows to allocate up front (GPU: keeps graphs)"
+    )
+    serve.add_argument(
+        "--max-channels",
+        type=int,
+        default=1024,
+        help="client channels (shm) and uds connections open at once; more are refused (busy)",
     )
     serve.add_argument(
         "--allow-uid",

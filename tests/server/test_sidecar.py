@@ -425,6 +425,25 @@ def _open_to_everyone(sc: RunningSidecar) -> None:
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to connect as another uid")
+def test_max_channels_counts_shm_channels_and_uds_connections(sidecar: Start) -> None:
+    """--max-channels bounds what the sidecar holds per client thread: shm channels and uds
+    connections (each a thread of its own) together. One more handshake is refused as busy
+    (a ConnectError for the client), and a closed one frees its place."""
+    sc = sidecar(extra_args=("--max-channels", "2"))
+    shm = sc.connect(timeout=TIMEOUT)
+    uds = sc.connect(transport="uds", timeout=TIMEOUT)
+    assert shm.ping() and uds.ping()
+    for transport in ("shm", "uds"):
+        with pytest.raises(ConnectError, match="too many channels"):
+            sc.connect(transport=transport, timeout=TIMEOUT).ping()
+    uds.close()
+    wait_until(lambda: shm.stats()["uds_connections"] == 0, "the uds connection to close")
+    with sc.connect(transport="uds", timeout=TIMEOUT) as again:
+        assert again.ping()
+    assert shm.stats()["rejected"]["busy"] == 2
+    shm.close()
+
+
 def test_another_uid_is_refused(sidecar: Start) -> None:
     sc = sidecar()
     _open_to_everyone(sc)

@@ -9,6 +9,10 @@ itself at N = 1) each make ``--requests / N`` round trips per system, in lockste
 process runs its block of one system, waits for the others at a barrier, then the next
 system. A sample is one round trip of one client; qps is the sum over the clients.
 
+``--affinity split`` (the default) pins the sidecar to the last CPU and the clients to the
+others, so that client and sidecar each have their own cores (BENCHMARKS.md's condition for
+the shm target; ``params.affinity`` records it); ``none`` leaves placement to the scheduler.
+
 Each row carries its latency at many quantiles (``quantiles``: p0.1 .. p99.9, µs), enough to
 draw a CDF later; ``--samples`` also keeps every sample (``<result>.npz``, one int64 ns
 array per row, keyed ``c<N>-<system>``).
@@ -25,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from kalos.bench.common import print_table, summarize, write_result
+from kalos.bench.common import cpu_split, print_table, summarize, write_result
 from kalos.bench.plots import plot_result
 from kalos.testing import isolated_sidecar
 
@@ -53,6 +57,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--samples", action="store_true", help="also save every sample next to the JSON (.npz)"
+    )
+    p.add_argument(
+        "--affinity",
+        choices=("split", "none"),
+        default="split",
+        help="split: the sidecar on the last CPU, the clients on the others (their own cores, "
+        "as the shm target assumes); none: the scheduler's choice",
     )
 
 
@@ -171,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
             wanted = [s for s in wanted if not s.startswith("grpc")]
     rows: list[dict[str, Any]] = []
     ratios: list[dict[str, Any]] = []
+    affinity: dict[str, list[int]] | str = "none"
     raw: dict[str, np.ndarray] = {}
     with tempfile.TemporaryDirectory(prefix="kalos-bench-") as run_dir:
         extra: tuple[str, ...] = ()
@@ -190,28 +202,31 @@ def run(args: argparse.Namespace) -> int:
                 if s in wanted:
                     systems[f"kalos-{s}"] = ("grpc", sidecar.grpc_target(listener), None)
                     listener += 1
-            for clients in levels:
-                samples, qps = _level(systems, clients, args)
-                level_rows = [
-                    summarize(
-                        s,
-                        samples[s],
-                        concurrency=clients,
-                        quantiles=quantiles(samples[s]),
-                    )
-                    for s in systems
-                ]
-                for row in level_rows:
-                    row["qps"] = round(qps[row["system"]], 1)
-                    raw[f"c{clients}-{row['system']}"] = samples[row["system"]]
-                shm_p50 = level_rows[0]["p50_us"]
-                ratio: dict[str, Any] = {"concurrency": clients}
-                for row in level_rows[1:]:
-                    key = f"{row['system'].removeprefix('kalos-').replace('-', '_')}_over_shm_p50"
-                    ratio[key] = round(row["p50_us"] / shm_p50, 2)
-                    level_rows[0][key] = ratio[key]
-                rows += level_rows
-                ratios.append(ratio)
+            with cpu_split(args.affinity, {"sidecar": sidecar.process.pid}) as affinity:
+                for clients in levels:
+                    samples, qps = _level(systems, clients, args)
+                    level_rows = [
+                        summarize(
+                            s,
+                            samples[s],
+                            concurrency=clients,
+                            quantiles=quantiles(samples[s]),
+                        )
+                        for s in systems
+                    ]
+                    for row in level_rows:
+                        row["qps"] = round(qps[row["system"]], 1)
+                        raw[f"c{clients}-{row['system']}"] = samples[row["system"]]
+                    shm_p50 = level_rows[0]["p50_us"]
+                    ratio: dict[str, Any] = {"concurrency": clients}
+                    for row in level_rows[1:]:
+                        key = (
+                            f"{row['system'].removeprefix('kalos-').replace('-', '_')}_over_shm_p50"
+                        )
+                        ratio[key] = round(row["p50_us"] / shm_p50, 2)
+                        level_rows[0][key] = ratio[key]
+                    rows += level_rows
+                    ratios.append(ratio)
     print_table(rows, ("system", "concurrency", "p50_us", "p99_us", "p999_us", "qps"))
     for ratio in ratios:
         for key, value in ratio.items():
@@ -225,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
         "body_bytes": 0,
         "concurrency": levels,
         "quantiles": list(QUANTILES),
+        "affinity": affinity,
     }
     path = write_result(SCENARIO, args.machine, params, rows, args.out, ratios=ratios)
     print(f"wrote {path}")

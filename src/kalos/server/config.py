@@ -22,7 +22,7 @@ class SidecarConfig:
     index: str | None = None  # spec string; None: the device's exact default
     runtime_dir: str | None = None
     max_arena_bytes: int = 64 << 20  # the largest arena a client may negotiate
-    max_channels: int = 1024
+    max_channels: int = 1024  # shm channels and uds connections open at once
     # Spin this long after the last request before parking: while requests flow the poller
     # answers in ~1 µs; a futex wake costs ~25 µs on a 2-vCPU VM (DESIGN.md).
     spin_us: float = 200.0
@@ -68,6 +68,8 @@ class SidecarConfig:
             raise ConfigError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if self.compute_threads < 1:
             raise ConfigError("compute_threads must be at least 1")
+        if self.max_channels < 1:
+            raise ConfigError("max_channels must be at least 1")
         if not L.MIN_ARENA_BYTES <= self.max_arena_bytes <= L.MAX_ARENA_BYTES:
             raise ConfigError("max_arena_bytes out of range")
         FsyncPolicy.parse(self.fsync)  # ConfigError when malformed

@@ -168,12 +168,14 @@ class Listener:
         conn.settimeout(None)
         if hello.get("transport") == "uds":
             send_message(conn, reply)
-            self.uds_connections += 1
+            with self._conns_lock:  # counts against max_channels: no update may be lost
+                self.uds_connections += 1
             stats = self.metrics.stats("uds") if self.metrics is not None else None
             try:
                 self._serve_uds(conn, reply["arena_bytes"], stats)
             finally:
-                self.uds_connections -= 1
+                with self._conns_lock:
+                    self.uds_connections -= 1
                 self.disconnects += 1
                 if stats is not None and self.metrics is not None:
                     self.metrics.retire(stats)
@@ -246,8 +248,12 @@ class Listener:
                 "error": "bad_transport",
                 "message": f"transport must be {' or '.join(transports)}",
             }
-        if len(self._poller.channels) >= self.config.max_channels:
-            return {"ok": False, "error": "busy", "message": "too many channels"}
+        if len(self._poller.channels) + self.uds_connections >= self.config.max_channels:
+            return {
+                "ok": False,
+                "error": "busy",
+                "message": f"too many channels (max_channels {self.config.max_channels})",
+            }
         try:
             arena = int(hello.get("arena_bytes", L.DEFAULT_ARENA_BYTES))
         except (TypeError, ValueError):

@@ -174,6 +174,7 @@ class Sidecar:
             "uds_connections": listener.uds_connections if listener else 0,
             "connects": listener.connects if listener else 0,
             "refused": listener.refused if listener else 0,
+            "rejected": dict(listener.rejected) if listener else {},  # handshakes, by error
             "admin_port": self.admin.port if self.admin is not None else None,
             "grpc": list(self.grpc.addresses) if self.grpc is not None else [],
             **({"durability": self.durability.stats()} if self.durability is not None else {}),
