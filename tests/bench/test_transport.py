@@ -4,6 +4,7 @@ to shm, quantiles for a CDF, the raw samples. A benchmark is not a test: nothing
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -40,5 +41,10 @@ def test_transport_bench_rows_ratios_and_quantiles(tmp_path: Path) -> None:
             "grpc_unix_over_shm_p50",
         }
         assert all(v > 0 for v in ratio.values())
+    cpus = sorted(os.sched_getaffinity(0))  # --affinity split, the default
+    if len(cpus) >= 2:
+        assert result["params"]["affinity"] == {"client": cpus[:-1], "sidecar": cpus[-1:]}
+    else:
+        assert result["params"]["affinity"] == "none"
     samples = np.load(path.with_suffix(".npz"))
     assert samples["c2-kalos-grpc"].shape == (120,) and samples["c2-kalos-grpc"].min() > 0
