@@ -58,6 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--samples", action="store_true", help="also save every sample next to the JSON (.npz)"
     )
+    p.add_argument("--suffix", default=None, help="appended to the result file names")
     p.add_argument(
         "--affinity",
         choices=("split", "none"),
@@ -242,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
         "quantiles": list(QUANTILES),
         "affinity": affinity,
     }
-    path = write_result(SCENARIO, args.machine, params, rows, args.out, ratios=ratios)
+    path = write_result(SCENARIO, args.machine, params, rows, args.out, args.suffix, ratios=ratios)
     print(f"wrote {path}")
     groups: dict[str, dict[str, np.ndarray]] = {}
     for key, ns in raw.items():
