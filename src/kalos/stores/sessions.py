@@ -281,21 +281,8 @@ class SessionStore:
         an older, shorter one would. NotFound for an unknown or expired session, or one
         outside ``scope``.
         """
-        s = self._sessions.get(session)
-        if s is None or s.expires_at <= now or (scope is not None and not s.matches(scope)):
-            raise NotFound(f"session {session!r} does not exist")
-        budget = max_tokens
-        system = s.system
-        if system is not None:
-            if system.n_tokens <= budget:
-                budget -= system.n_tokens
-            else:
-                system = None
+        s, first, n, system = self._window(session, max_tokens, max_turns, now, scope)
         cum = s.tok_cum
-        n = len(cum) - 1
-        first = bisect_left(cum, cum[n] - budget, s.first, n)
-        if max_turns is not None and n - first > max_turns:
-            first = n - max_turns
         txt = s.txt_cum
         return (
             s.tokens_mv[4 * cum[first] : 4 * cum[n]],
@@ -317,6 +304,20 @@ class SessionStore:
         as a byte view, how many conversation turns it holds, the system prompt when
         included). The CONTEXT path for ``turns=False``: it touches only the token ids and
         their offsets, fewer cold cache lines per request than the whole window."""
+        s, first, n, system = self._window(session, max_tokens, max_turns, now, scope)
+        cum = s.tok_cum
+        return s.tokens_mv[4 * cum[first] : 4 * cum[n]], n - first, system
+
+    def _window(
+        self,
+        session: str,
+        max_tokens: int,
+        max_turns: int | None,
+        now: float,
+        scope: Scope | None,
+    ) -> tuple[Session, int, int, SystemPrompt | None]:
+        """The window of :meth:`context` as (the session, its first and end turn, the system
+        prompt when it fits): reads only the token offsets."""
         s = self._sessions.get(session)
         if s is None or s.expires_at <= now or (scope is not None and not s.matches(scope)):
             raise NotFound(f"session {session!r} does not exist")
@@ -332,7 +333,7 @@ class SessionStore:
         first = bisect_left(cum, cum[n] - budget, s.first, n)
         if max_turns is not None and n - first > max_turns:
             first = n - max_turns
-        return s.tokens_mv[4 * cum[first] : 4 * cum[n]], n - first, system
+        return s, first, n, system
 
     def live(self, session: str, *, now: float, scope: Scope | None = None) -> Session:
         """The live session ``session`` (its buffers: valid until its next change). NotFound
