@@ -179,17 +179,15 @@ class PinnedArena:
     ``graphs`` holds this channel's search graphs, one per (batch, k, filtered), each writing
     at the fixed addresses of that shape's response (the protocol's layout for nq x k). The
     sidecar makes one per shm channel of a cuda sidecar and closes it, under the dispatch
-    lock, before the channel's memory goes. On the CPU (the interpreter's tests) nothing is
-    registered: the kernels reach host memory as it is.
+    lock, before the channel's memory goes.
     """
 
-    def __init__(self, buf: np.ndarray, register: bool) -> None:
+    def __init__(self, buf: np.ndarray) -> None:
         self._buf = buf  # keeps the mapping alive while registered
         self.lo = int(buf.ctypes.data)
         self.hi = self.lo + len(buf)
-        self._registered = register
-        if register:
-            driver.host_register(self.lo, len(buf))
+        driver.host_register(self.lo, len(buf))
+        self._registered = True
         self.graphs: dict[tuple[int, int, bool], _HostResultGraph] = {}
 
     def holds(self, arrays: tuple[np.ndarray, ...]) -> bool:
@@ -289,7 +287,7 @@ class GpuSearch:
         """Registers the start of a channel's response arena (enough for the largest graph
         search's response) for in-place results; close it before the channel goes."""
         driver.ensure_context(self.device)
-        return PinnedArena(arena[: min(len(arena), PINNED_BYTES)], register=True)
+        return PinnedArena(arena[: min(len(arena), PINNED_BYTES)])
 
     def search(
         self,
