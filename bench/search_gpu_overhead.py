@@ -138,8 +138,7 @@ def run_size(n: int, dim: int, k: int, reps: int, sidecar: Sidecar) -> dict:
     def replay_fn(g):
         def fn(i: int) -> None:
             staging.query_np[0] = qs[i % 256]
-            g.replay()
-            stream.synchronize()
+            g.replay_and_wait(stream)
 
         return fn
 
@@ -147,7 +146,7 @@ def run_size(n: int, dim: int, k: int, reps: int, sidecar: Sidecar) -> dict:
 
     def spin_fn(i: int) -> None:
         staging.query_np[0] = qs[i % 256]
-        zc.replay()
+        zc.cuda_graph.replay()
         while not stream.query():
             pass
 
@@ -169,7 +168,7 @@ def run_size(n: int, dim: int, k: int, reps: int, sidecar: Sidecar) -> dict:
     # torch's CUDAGraph.replay bookkeeping and Stream.synchronize
     empty_raw = driver.graph_launcher(empty.raw_cuda_graph_exec(), stream.cuda_stream)
     served = variants["served+sync"]
-    served_raw = driver.graph_launcher(served._graph.raw_cuda_graph_exec(), stream.cuda_stream)
+    served_raw = driver.graph_launcher(served.cuda_graph.raw_cuda_graph_exec(), stream.cuda_stream)
 
     def empty_raw_fn(i: int) -> None:
         empty_raw()

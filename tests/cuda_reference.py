@@ -71,7 +71,33 @@ def check_search(idx, x, ids, scopes, q, k, scope=None):
     # the host path must agree exactly
     _, got_host = idx.search(q, k, scope=scope)
     np.testing.assert_array_equal(got_host, got)
+    check_result(idx, x, ids, scopes, q, k, s, got, scope)
 
+
+def check_graph_search(idx, x, ids, scopes, q, k, scope=None, prefilter=True):
+    """The same check through a single-query search graph (``prefilter``: the int8 scan
+    first, as the sidecar's graphs), run with replay_and_wait; returns the graph."""
+    q = np.atleast_2d(np.asarray(q, dtype=np.float32))
+    idx.prefilter_min_rows = 0  # at any size (it pays only from ~4M rows on)
+    g = idx.graph(1, k, scope_active=scope is not None, prefilter=prefilter)
+    for i in range(len(q)):
+        g.query.copy_(torch.from_numpy(q[i : i + 1]))
+        if scope is not None:
+            g.scope.copy_(torch.tensor(scope, dtype=torch.int64))
+        g.scores.fill_(float("nan"))
+        g.ids.fill_(-7)
+        g.replay_and_wait(torch.cuda.current_stream() if idx.device.type == "cuda" else None)
+        s, got = g.scores.cpu().numpy(), g.ids.cpu().numpy()
+        assert not np.isnan(s).any(), "an output score was not written"
+        assert not (got == -7).any(), "an output id was not written"
+        check_result(idx, x, ids, scopes, q[i : i + 1], k, s, got, scope)
+    return g
+
+
+def check_result(idx, x, ids, scopes, q, k, s, got, scope=None):
+    """Holds scores ``s`` and ids ``got`` [nq, k] against the float64 reference over the live
+    items that match ``scope``: every true top-k item is there (beyond ties), sorted."""
+    nq = len(q)
     ascending = idx.metric == "l2"
     ref = ref_scores(idx.metric, idx.dtype, x, q)
     tol = tolerance(idx.metric, idx.dtype, x, q)

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 
 
 # The float64 reference and the search checker, shared with the interpreter tests.
-from cuda_reference import check_search, make_index  # noqa: E402
+from cuda_reference import check_graph_search, check_search, make_index  # noqa: E402
 
 
 def _fill(idx, n, dim, seed, scopes=None):
@@ -225,3 +225,43 @@ def test_exact_many_queries_repeated_at_1m(dim):
         assert bool(same.all()), f"nq={nq}: {int((~same).sum())} answers changed between runs"
         bad = _exact_top_k_check(got.view(2 * reps, nqs, k), db, queries, k)
         assert bad == 0, f"nq={nq}: {bad} of {2 * reps * nqs} answers not exact"
+
+
+@pytest.mark.parametrize(
+    "metric,dtype,dim,n,k",
+    [
+        ("ip", "fp16", 128, 1_000_000, 10),
+        ("ip", "fp16", 128, 1_000_000, 1),
+        ("ip", "fp16", 256, 300_000, 32),
+        ("cosine", "bf16", 64, 500_000, 10),
+        ("l2", "fp32", 128, 400_000, 5),
+    ],
+)
+def test_prefilter_graph_matches_float64_reference(metric, dtype, dim, n, k):
+    # the sidecar's single-query graphs: int8 scan, exact re-rank, proof or full scan
+    idx = make_index(metric, dtype, dim, "cuda")
+    rng, x, ids = _fill(idx, n, dim, hash((metric, dim, n, k, "pf")) % 2**32)
+    q = rng.standard_normal((4, dim)).astype(np.float32)
+    g = check_graph_search(idx, x, ids, None, q, k)
+    assert g.prefilter and g.fallbacks == 0
+
+
+def test_prefilter_scope_ties_and_fallback_at_1m():
+    n, dim = 1_000_000, 128
+    rng = np.random.default_rng(12)
+    idx = make_index("ip", "fp16", dim, "cuda")
+    x = rng.standard_normal((n, dim)).astype(np.float32)
+    q = rng.standard_normal((1, dim)).astype(np.float32)
+    scopes = np.stack([rng.integers(1, 3, n), rng.integers(1, 5, n), np.zeros(n)], 1)
+    scopes = scopes.astype(np.int64)
+    ids = np.arange(n, dtype=np.int64) + 1
+    idx.add(x, ids, scopes)
+    g = check_graph_search(idx, x, ids, scopes, q, 10, scope=(2, 3, 0))
+    assert g.fallbacks == 0
+    # 200 rows within the int8 bound of each other at the top: not provable, so the graph
+    # replays the full scan -- and the answer is still exact
+    near = rng.choice(n, 200, replace=False)
+    x[near] = 6 * q[0] / np.linalg.norm(q[0]) + 1e-3 * rng.standard_normal((200, dim))
+    idx.add(x[near], ids[near], scopes[near])
+    g = check_graph_search(idx, x, ids, scopes, q, 10)
+    assert g.fallbacks == 1

@@ -21,7 +21,7 @@ triton = pytest.importorskip("triton")
 if not hasattr(triton.runtime, "interpreter"):  # not imported when triton was imported first
     import triton.runtime.interpreter
 
-from kalos.errors import InvalidRequest, NotFound  # noqa: E402
+from kalos.errors import ConfigError, InvalidRequest, NotFound  # noqa: E402
 from kalos.index.cuda_flat import parse_spec  # noqa: E402
 
 if not getattr(triton.runtime.interpreter, "_patch_lang_tensor", None):  # pragma: no cover
@@ -67,14 +67,23 @@ _ensure_interpreted_kernels()
 
 
 # The float64 reference and the search checker, shared with the GPU tests.
-from cuda_reference import check_search, make_index, ref_scores  # noqa: E402
+from cuda_reference import (  # noqa: E402
+    check_graph_search,
+    check_search,
+    make_index,
+    ref_scores,
+)
 
 
 def test_parse_spec():
-    assert parse_spec("cuda:flat,fp16") == ("cuda", "fp16")
-    assert parse_spec("cuda:flat") == ("cuda", "fp16")
-    assert parse_spec("cuda:1:flat,bf16") == ("cuda:1", "bf16")
-    assert parse_spec("cuda:flat,fp32") == ("cuda", "fp32")
+    assert parse_spec("cuda:flat,fp16") == ("cuda", "fp16", "int8")
+    assert parse_spec("cuda:flat") == ("cuda", "fp16", "int8")
+    assert parse_spec("cuda:1:flat,bf16") == ("cuda:1", "bf16", "int8")
+    assert parse_spec("cuda:flat,fp32,scan=full") == ("cuda", "fp32", "full")
+    assert parse_spec("cuda:flat,scan=int8") == ("cuda", "fp16", "int8")
+    for bad in ("cuda:flat,fp8", "cuda:flat,scan=pq", "cpu:flat"):
+        with pytest.raises(ConfigError):
+            parse_spec(bad)
 
 
 @pytest.mark.parametrize(
@@ -450,6 +459,130 @@ def test_graph_api_on_cpu_runs_the_same_search():
     g.ids.fill_(-7)
     g.replay_and_wait(None)
     assert g.ids[0, 0].item() == 5000
+
+
+# ------------------------------------------------------------------------ the int8 prefilter
+
+
+def test_prefilter_meta_bounds_every_product_in_float64():
+    # the bound the re-rank's proof rests on, against exact products: with the fp32 query
+    # (|q.x - scale c.q| <= |q| e1) and with the query in int8 too (+ |q - s_q q8| e2)
+    from kalos.index.kernels import scan_topk as kern
+
+    rng = np.random.default_rng(3)
+    for dim, mag in ((64, 1.0), (300, 1e-3), (1024, 50.0)):
+        x = torch.from_numpy(rng.standard_normal((500, dim)).astype(np.float32) * mag).half()
+        x[3] = 0  # an all-zero row
+        x[4] = 0
+        x[4, 7] = 2 * mag  # one-hot
+        codes, meta = kern.prefilter_meta(x)
+        assert codes.dtype == torch.int8 and meta.shape == (3, 500)
+        xd, c = x.double().numpy(), codes.double().numpy()
+        sc, e1, e2 = meta.double().numpy()
+        assert np.abs(c).max() <= 127 and (np.abs(c).max(axis=1)[5:] == 127).all()
+        assert e1[4] <= 1e-3 * mag  # a one-hot row is coded exactly (up to the slack)
+        for q in rng.standard_normal((20, dim)):
+            true = xd @ q
+            qn = np.linalg.norm(q)
+            assert np.all(np.abs(true - sc * (c @ q)) <= qn * e1)
+            qs = np.abs(q).max() / 127
+            q8 = np.clip(np.round(q / qs), -127, 127)
+            rq = np.linalg.norm(q - qs * q8)
+            assert np.all(np.abs(true - sc * qs * (c @ q8)) <= qn * e1 + rq * e2)
+
+
+@pytest.mark.parametrize(
+    "metric,dtype,dim,n,k",
+    [
+        ("ip", "fp16", 64, 700, 10),
+        ("cosine", "bf16", 96, 500, 7),
+        ("l2", "fp32", 128, 400, 1),
+        ("ip", "fp16", 256, 300, 32),
+    ],
+)
+def test_prefilter_graph_matches_float64_reference(metric, dtype, dim, n, k):
+    rng = np.random.default_rng(hash((metric, dtype, dim, n, k)) % 2**32)
+    idx = make_index(metric, dtype, dim, "cpu")
+    x = rng.standard_normal((n, dim)).astype(np.float32)
+    ids = rng.permutation(10 * n)[:n].astype(np.int64) + 1
+    idx.add(x, ids)
+    q = rng.standard_normal((3, dim)).astype(np.float32)
+    g = check_graph_search(idx, x, ids, None, q, k)
+    # random rows: the bound proves each search, so none replays the full scan
+    assert g.prefilter and g.fallbacks == 0
+
+
+def test_prefilter_scope_removals_upserts_and_few_matches():
+    rng = np.random.default_rng(21)
+    dim, n = 64, 500
+    idx = make_index("ip", "fp16", dim, "cpu")
+    x = rng.standard_normal((n, dim)).astype(np.float32)
+    ids = np.arange(n, dtype=np.int64) + 1
+    scopes = np.stack(
+        [rng.integers(1, 3, n), rng.integers(1, 4, n), rng.integers(1, 40, n)], 1
+    ).astype(np.int64)
+    idx.add(x, ids, scopes)
+    gone = rng.choice(ids, 120, replace=False)
+    idx.remove(gone)
+    moved = rng.choice(np.setdiff1d(ids, gone), 30, replace=False)  # upserted in place
+    x[moved - 1] = rng.standard_normal((30, dim)).astype(np.float32)
+    idx.add(x[moved - 1], moved, scopes[moved - 1])
+    live = np.isin(ids, gone, invert=True)
+    q = rng.standard_normal((2, dim)).astype(np.float32)
+    lx, lids, lsc = x[live], ids[live], scopes[live]
+    g = check_graph_search(idx, lx, lids, lsc, q, 10, scope=(1, 2, 0))
+    assert g.fallbacks == 0
+    # a scope matching fewer rows than the candidates: all of them are, proven without a bound
+    t, u, sess = (int(v) for v in lsc[0])
+    assert ((lsc == (t, u, sess)).all(1)).sum() < 32
+    g = check_graph_search(idx, lx, lids, lsc, q, 10, scope=(t, u, sess))
+    assert g.fallbacks == 0
+
+
+def test_prefilter_falls_back_to_the_full_scan_when_the_bound_cannot_prove():
+    # 150 near-copies of the query's direction, closer to each other than the int8 bound:
+    # the candidates' bounds overlap the k-th exact score, so the search replays the full
+    # scan, and the answer is still the exact one
+    rng = np.random.default_rng(5)
+    dim = 64
+    base = rng.standard_normal(dim).astype(np.float32)
+    near = base + 1e-3 * rng.standard_normal((150, dim)).astype(np.float32)
+    x = np.concatenate([near, rng.standard_normal((250, dim)).astype(np.float32)])
+    ids = rng.permutation(400).astype(np.int64) + 1
+    idx = make_index("ip", "fp32", dim, "cpu")
+    idx.add(x, ids)
+    g = check_graph_search(idx, x, ids, None, base[None], 10)
+    assert g.prefilter and g.fallbacks == 1
+
+
+def test_prefilter_only_where_it_applies():
+    idx = make_index("ip", "fp16", 64, "cpu")
+    idx.add(np.random.default_rng(0).standard_normal((40, 64)), np.arange(40))
+    assert idx.graph(1, 10, prefilter=True).prefilter
+    assert not idx.graph(1, 10).prefilter  # asked for
+    assert not idx.graph(2, 10, prefilter=True).prefilter  # batches scan the rows
+    assert not idx.graph(1, 33, prefilter=True).prefilter  # k above PREFILTER_MAX_K
+    with pytest.raises(InvalidRequest, match="replay_and_wait"):
+        idx.graph(1, 10, prefilter=True).replay()
+    # below prefilter_min_rows a prefiltered graph runs the full scan: no verdict is written
+    g = idx.graph(1, 10, prefilter=True)
+    g._status_np[0] = 7
+    g.replay_and_wait(None)
+    assert g._status_np[0] == 7 and g.fallbacks == 0
+    idx.prefilter_min_rows = 40
+    g.query.copy_(torch.ones((1, 64)))
+    g.replay_and_wait(None)
+    assert g._status_np[0] == 1 and g.fallbacks == 0
+    narrow = make_index("ip", "fp16", 16, "cpu")  # an int8 dot operand needs dim >= 32
+    assert not narrow.graph(1, 10, prefilter=True).prefilter
+    wide = make_index("ip", "fp16", 384, "cpu")  # where the bound grows too loose to pay
+    assert not wide.graph(1, 10, prefilter=True).prefilter
+    from kalos.index.cuda_flat import CudaFlatIndex
+
+    full = CudaFlatIndex(dim=64, metric="ip", spec="cuda:flat,fp16,scan=full", device="cpu",
+                         scan="full")  # fmt: skip
+    assert not full.graph(1, 10, prefilter=True).prefilter
+    assert full.nbytes < idx.nbytes
 
 
 def test_validation_errors():

@@ -45,6 +45,7 @@ from kalos.errors import ConfigError, InvalidRequest, NotFound
 
 _METRICS = {"ip": 0, "cosine": 1, "l2": 2}
 _DTYPES = ("fp16", "bf16", "fp32")
+_SCANS = ("int8", "full")
 _FP16_MAX = 65504.0
 _MAX_K = 1024
 _MIN_CAPACITY = 1024
@@ -52,10 +53,25 @@ _MIN_CAPACITY = 1024
 _GENERAL_PATH_BYTES = 512 << 20
 
 
-def parse_spec(spec: str) -> tuple[str, str]:
-    """``"cuda:flat,fp16"`` -> ("cuda", "fp16"); ``"cuda:1:flat,bf16"`` -> ("cuda:1", "bf16")."""
-    head, _, dtype = spec.partition(",")
-    dtype = dtype.strip() or "fp16"
+def parse_spec(spec: str) -> tuple[str, str, str]:
+    """``"cuda:flat,fp16"`` -> ("cuda", "fp16", "int8"); ``"cuda:1:flat,bf16,scan=full"`` ->
+    ("cuda:1", "bf16", "full"). Options after the kind: the storage dtype, and ``scan=int8``
+    (the default: single-query searches scan int8 codes first, see the module doc) or
+    ``scan=full``."""
+    head, *opts = spec.split(",")
+    dtype, scan = "fp16", "int8"
+    for opt in (o.strip() for o in opts):
+        if opt in _DTYPES:
+            dtype = opt
+        elif opt.startswith("scan="):
+            scan = opt[5:]
+            if scan not in _SCANS:
+                raise ConfigError(f"{opt!r} in {spec!r}: scan= is one of {', '.join(_SCANS)}")
+        elif opt:
+            raise ConfigError(
+                f"option {opt!r} in {spec!r}: a storage dtype ({', '.join(_DTYPES)}) or "
+                f"scan=({'|'.join(_SCANS)})"
+            )
     parts = head.strip().split(":")
     if len(parts) == 2 and parts[0] == "cuda" and parts[1] == "flat":
         device = "cuda"
@@ -63,9 +79,7 @@ def parse_spec(spec: str) -> tuple[str, str]:
         device = f"cuda:{parts[1]}"
     else:
         raise ConfigError(f"not a cuda flat index spec: {spec!r} (e.g. 'cuda:flat,fp16')")
-    if dtype not in _DTYPES:
-        raise ConfigError(f"storage dtype {dtype!r} in {spec!r}: one of {', '.join(_DTYPES)}")
-    return device, dtype
+    return device, dtype, scan
 
 
 class CudaFlatIndex:
@@ -79,6 +93,7 @@ class CudaFlatIndex:
         spec: str,
         device: str = "cuda",
         dtype: str = "fp16",
+        scan: str = "int8",
     ) -> None:
         try:
             import torch
@@ -90,6 +105,8 @@ class CudaFlatIndex:
             raise ConfigError(f"metric must be one of {', '.join(_METRICS)}, got {metric!r}")
         if dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+        if scan not in _SCANS:
+            raise ConfigError(f"scan must be one of {', '.join(_SCANS)}, got {scan!r}")
         elem = 4 if dtype == "fp32" else 2
         if dim > 4096 // elem:
             raise ConfigError(f"dim {dim} too large for {dtype} (at most {4096 // elem})")
@@ -111,7 +128,15 @@ class CudaFlatIndex:
         self.metric = metric
         self.dtype = dtype
         self.device = dev
+        self.scan = scan
         self.scan_config: Any = None  # a kernels.ScanConfig to override the tuned choice
+        self.prefilter_config: Any = None  # the same for the int8 prefilter's scan
+        self.prefilter_mode = kernels.PREFILTER_DOT  # or PREFILTER_FMA (experiments)
+        self.prefilter_keep: int | None = None  # rows kept for the re-rank (experiments)
+        self.prefilter_surv: int | None = None  # its survivors' room (experiments)
+        # prefiltered graphs take the int8 scan from this many live rows on (below it the
+        # full scan is as fast: kernels.PREFILTER_MIN_ROWS)
+        self.prefilter_min_rows = kernels.PREFILTER_MIN_ROWS
         self._torch = torch
         self._k = kernels
         self._metric_code = _METRICS[metric]
@@ -127,12 +152,15 @@ class CudaFlatIndex:
         self._generation = 0  # bumped whenever storage moves (graphs recapture)
         self._row_ids = np.empty(0, dtype=np.int64)  # host mirror of ids[:cap]
         self._map: dict[int, int] | None = {}  # id -> row; None = rebuild from _row_ids
-        self._workspaces: dict[tuple[int, int], dict[str, Any]] = {}
+        self._workspaces: dict[tuple[int, int, bool], dict[str, Any]] = {}
         # device storage, set by _alloc: vectors [cap, dim], ids [cap], scopes [3, cap], sq [cap]
         self._vecs: Any = None
         self._ids: Any = None
         self._scopes: Any = None
         self._sq: Any = None
+        # the int8 prefilter's codes [cap, dim] int8 and meta [3, cap] fp32 (scan == "int8")
+        self._codes: Any = None
+        self._meta: Any = None
         with torch.cuda.device(dev) if self._on_gpu else _nullcontext():
             self._n_dev = torch.zeros(1, dtype=torch.int32, device=dev)
             self._no_filter = torch.zeros(3, dtype=torch.int64, device=dev)
@@ -140,8 +168,8 @@ class CudaFlatIndex:
 
     @classmethod
     def from_spec(cls, spec: str, *, dim: int, metric: str) -> CudaFlatIndex:
-        device, dtype = parse_spec(spec)
-        return cls(dim=dim, metric=metric, spec=spec, device=device, dtype=dtype)
+        device, dtype, scan = parse_spec(spec)
+        return cls(dim=dim, metric=metric, spec=spec, device=device, dtype=dtype, scan=scan)
 
     # ------------------------------------------------------------------------------ storage
 
@@ -160,8 +188,10 @@ class CudaFlatIndex:
 
     @property
     def nbytes(self) -> int:
-        """Device bytes held by the storage (at capacity): vectors, ids, scopes, norms."""
-        return self._cap * (self.dim * self._elem + 8 + 24 + 4)
+        """Device bytes held by the storage (at capacity): vectors, ids, scopes, norms, and
+        the prefilter's codes and meta."""
+        codes = self.dim + 12 if self.scan == "int8" else 0
+        return self._cap * (self.dim * self._elem + 8 + 24 + 4 + codes)
 
     def _alloc(self, cap: int) -> None:
         torch = self._torch
@@ -170,13 +200,22 @@ class CudaFlatIndex:
         ids = torch.full((cap,), -1, dtype=torch.int64, device=dev)
         scopes = torch.zeros((3, cap), dtype=torch.int64, device=dev)
         sq = torch.zeros((cap,), dtype=torch.float32, device=dev)
+        codes: Any = None
+        meta: Any = None
+        if self.scan == "int8":
+            codes = torch.zeros((cap, self.dim), dtype=torch.int8, device=dev)
+            meta = torch.zeros((3, cap), dtype=torch.float32, device=dev)
         n = self._n
         if n:
             vecs[:n] = self._vecs[:n]
             ids[:n] = self._ids[:n]
             scopes[:, :n] = self._scopes[:, :n]
             sq[:n] = self._sq[:n]
+            if codes is not None:
+                codes[:n] = self._codes[:n]
+                meta[:, :n] = self._meta[:, :n]
         self._vecs, self._ids, self._scopes, self._sq = vecs, ids, scopes, sq
+        self._codes, self._meta = codes, meta
         row_ids = np.full(cap, -1, dtype=np.int64)
         row_ids[:n] = self._row_ids[:n]
         self._row_ids = row_ids
@@ -246,18 +285,27 @@ class CudaFlatIndex:
         sq = stored.float().square().sum(dim=1)
         ids_t = torch.from_numpy(id_arr).to(self.device)
         sc_t = torch.from_numpy(np.ascontiguousarray(sc.T)).to(self.device)
+        codes = meta = None
+        if self._codes is not None:
+            codes, meta = self._k.prefilter_meta(stored)
         if n_new == m and m == len(rows) and rows[0] == self._n:  # a plain append
             lo, hi = self._n, self._n + m
             self._vecs[lo:hi] = stored
             self._ids[lo:hi] = ids_t
             self._scopes[:, lo:hi] = sc_t
             self._sq[lo:hi] = sq
+            if codes is not None:
+                self._codes[lo:hi] = codes
+                self._meta[:, lo:hi] = meta
         else:
             rows_t = torch.from_numpy(rows).to(self.device)
             self._vecs.index_copy_(0, rows_t, stored)
             self._ids.index_copy_(0, rows_t, ids_t)
             self._scopes.index_copy_(1, rows_t, sc_t)
             self._sq.index_copy_(0, rows_t, sq)
+            if codes is not None:
+                self._codes.index_copy_(0, rows_t, codes)
+                self._meta.index_copy_(1, rows_t, meta)
         self._row_ids[rows] = id_arr
         if self._map is not None:
             if self._n == 0 and n_new == m:
@@ -289,6 +337,9 @@ class CudaFlatIndex:
             self._ids.index_copy_(0, h, self._ids.index_select(0, s))
             self._scopes.index_copy_(1, h, self._scopes.index_select(1, s))
             self._sq.index_copy_(0, h, self._sq.index_select(0, s))
+            if self._codes is not None:
+                self._codes.index_copy_(0, h, self._codes.index_select(0, s))
+                self._meta.index_copy_(1, h, self._meta.index_select(1, s))
             moved = self._row_ids[sources]
             self._row_ids[holes] = moved
             id_map.update(zip(moved.tolist(), holes.tolist(), strict=True))
@@ -377,11 +428,14 @@ class CudaFlatIndex:
             self._launch(q[lo:hi], k, filt, scoped, scores[lo:hi], ids[lo:hi], ws)
         return scores, ids
 
-    def graph(self, nq: int, k: int, scope_active: bool = False) -> SearchGraph:
+    def graph(
+        self, nq: int, k: int, scope_active: bool = False, prefilter: bool = False
+    ) -> SearchGraph:
         """A search of ``nq`` queries for ``k`` results captured as a CUDA graph over fixed
-        buffers (see :class:`SearchGraph`). On the CPU (interpreter) it runs the kernels
-        directly, with the same buffers."""
-        return SearchGraph(self, nq, k, scope_active)
+        buffers (see :class:`SearchGraph`; ``prefilter``: the int8 scan first, where this
+        shape allows it). On the CPU (interpreter) it runs the kernels directly, with the
+        same buffers."""
+        return SearchGraph(self, nq, k, scope_active, prefilter=prefilter)
 
     def _filter_tensor(self, scope: Any) -> tuple[Any, bool]:
         torch = self._torch
@@ -412,28 +466,50 @@ class CudaFlatIndex:
             programs = min(programs, max(self._sms, tiles // 8))
         return max(1, min(tiles, programs))
 
-    def _workspace(self, nq: int, k: int, private: bool = False) -> dict[str, Any]:
+    def _keep(self, k: int) -> int:
+        return self.prefilter_keep or self._k.prefilter_candidates(k)
+
+    def prefilter_ok(self, nq: int, k: int) -> bool:
+        """Whether a search of this shape can scan the int8 codes first (``scan=int8``, one
+        query, k <= 32: see :class:`SearchGraph`)."""
+        return self._codes is not None and bool(self._k.prefilter_ok(nq, k, self.dim))
+
+    def _workspace(
+        self, nq: int, k: int, private: bool = False, prefilter: bool = False
+    ) -> dict[str, Any]:
         """Scratch for one (batch, k): the scan's state (thresholds, group bests, survivors),
         candidates or general-path keys. Shared (cached per index, dropped when storage moves)
         unless ``private`` (graphs). Searches that share one must run one after another on one
-        stream: the merge resets the state that the next scan starts from."""
-        key = (nq, k)
+        stream: the merge resets the state that the next scan starts from. ``prefilter``: for
+        the int8 prefilter's scan, sized for its candidates."""
+        key = (nq, k, prefilter)
         if not private and key in self._workspaces:
             return self._workspaces[key]
         torch = self._torch
         kern = self._k
         dev = self.device
-        kp = kern.key_width(k)
+        kk = self._keep(k) if prefilter else k  # rows kept by the scan
+        kp = kern.key_width(kk)
+        surv = kern.survivors_width(kk)
+        if prefilter and self.prefilter_surv:
+            surv = max(kp, kern.next_pow2(self.prefilter_surv))
         none = kern.KEY_NONE
         ws: dict[str, Any] = {
             "state": (
                 torch.full((nq,), none, dtype=torch.int64, device=dev),  # thr
                 torch.full((nq, kp), none, dtype=torch.int64, device=dev),  # slots
-                torch.empty((nq, kern.survivors_width(k)), dtype=torch.int64, device=dev),
+                torch.empty((nq, surv), dtype=torch.int64, device=dev),
             ),
             "ticket": torch.zeros(1, dtype=torch.int32, device=dev),  # the fused scan's
         }
-        if self._fast(nq, k):
+        if prefilter:
+            cfg = self.prefilter_config or kern.choose_prefilter_config(
+                self.dim, self._on_gpu, self.prefilter_mode
+            )
+            p = self._programs(cfg, kk)
+            ws.update(cfg=cfg, programs=p, prefilter=True)
+            ws["cand"] = torch.empty((nq, p, kp), dtype=torch.int64, device=dev)
+        elif self._fast(nq, k):
             cfg = self._config(nq, k)
             p = self._programs(cfg, k)
             ws.update(cfg=cfg, programs=p)
@@ -450,12 +526,40 @@ class CudaFlatIndex:
         return ws
 
     def _launch(
-        self, q: Any, k: int, filt: Any, scoped: bool, scores: Any, ids: Any, ws: dict[str, Any]
+        self,
+        q: Any,
+        k: int,
+        filt: Any,
+        scoped: bool,
+        scores: Any,
+        ids: Any,
+        ws: dict[str, Any],
+        status: Any = None,
     ) -> None:
-        # q: [nq, dim] (nq <= max batch); scores: [nq, k] fp32; ids: [nq, k] int64
+        # q: [nq, dim] (nq <= max batch); scores: [nq, k] fp32; ids: [nq, k] int64;
+        # status: [1] int32, set by the prefilter's scan (a prefilter workspace)
         torch = self._torch
         kern = self._k
         nq = q.shape[0]
+        if ws.get("prefilter"):
+            kern.scan_topk(
+                self._vecs,
+                self._sq,
+                self._scopes,
+                filt,
+                q,
+                self._n_dev,
+                ws["state"],
+                ws["cand"],
+                k=k,
+                metric=self._metric_code,
+                scoped=scoped,
+                programs=ws["programs"],
+                cfg=ws["cfg"],
+                final=(ws["ticket"], self._ids, scores, ids),
+                prefilter=(self._codes, self._meta, status, self.prefilter_mode, self._keep(k)),
+            )
+            return
         if "cand" in ws and self._fast(nq, k):
             p = ws["programs"]
             cand = ws["cand"].view(-1)[: nq * p * kern.key_width(k)].view(nq, p, -1)
@@ -574,6 +678,16 @@ class SearchGraph:
     through unified addressing. That is how the sidecar's graphs put the top-k straight into
     pinned host memory without a copy node. Buffers must outlive the graph.
 
+    ``prefilter`` (where the index allows it: ``scan=int8``, one query, k <= 32, dim 32..256)
+    captures a second graph that scans the int8 codes instead of the stored rows: about half
+    the bytes (dim + 12 a row against 2 dim at fp16), then an exact re-rank of the rows of
+    highest score bound (``prefilter_candidates(k)``), and a flag that says whether the bound
+    proves the result exact. Such a graph is run with :meth:`replay_and_wait`, which takes the
+    prefilter once the index holds ``index.prefilter_min_rows`` live rows (where it pays),
+    checks the flag, and replays the full scan when it is not proven (``fallbacks`` counts
+    those; the bound is loose where many rows score within ~1% of the k-th best). The result
+    is the full scan's, up to the order of exact ties.
+
     The graph reads the live count from the device, so adds and removes that fit the current
     capacity need nothing; when the index reallocates its storage, the next replay recaptures
     (a one-off cost: a kernel run and a capture, some ms).
@@ -590,6 +704,7 @@ class SearchGraph:
         scope: Any = None,
         scores: Any = None,
         ids: Any = None,
+        prefilter: bool = False,
     ) -> None:
         torch = index._torch
         if not isinstance(nq, int) or not 1 <= nq <= index._max_batch:
@@ -598,6 +713,8 @@ class SearchGraph:
         self.nq = nq
         self.k = _k_in(k)
         self.scope_active = bool(scope_active)
+        self.prefilter = bool(prefilter) and index.prefilter_ok(nq, self.k)
+        self.fallbacks = 0  # prefiltered searches that replayed the full scan
         dev = index.device
 
         def buffer(given: Any, shape: tuple[int, ...], dtype: Any) -> Any:
@@ -611,64 +728,94 @@ class SearchGraph:
         self.scope = buffer(scope, (3,), torch.int64)
         self.scores = buffer(scores, (nq, self.k), torch.float32)
         self.ids = buffer(ids, (nq, self.k), torch.int64)
-        self._graph: Any = None
-        self._launch: Any = None  # replay_and_wait's driver launcher of _graph
+        # the prefilter's verdict, in host memory the kernel writes (pinned on a GPU)
+        status = torch.zeros(1, dtype=torch.int32)
+        self._status = status.pin_memory() if index._on_gpu else status
+        self._status_np = self._status.numpy()
+        self._graphs: list[Any] = []  # [full scan, prefilter] CUDA graphs (GPU only)
+        self._launchers: list[Any] = []  # replay_and_wait's driver launchers of them
         self._generation = -1
         self._capture()
 
-    def _run(self) -> None:
+    @property
+    def cuda_graph(self) -> Any:
+        """The captured graph of the search as replayed first (the prefilter's, if any);
+        None on the CPU. Replaying it alone skips the prefilter's check (benchmarks)."""
+        return self._graphs[-1] if self._graphs else None
+
+    def _run(self, prefilter: bool = False) -> None:
         filt = self.scope if self.scope_active else self.index._no_filter
+        ws = self._ws[1] if prefilter else self._ws[0]
         self.index._launch(
-            self.query, self.k, filt, self.scope_active, self.scores, self.ids, self._ws
+            self.query, self.k, filt, self.scope_active, self.scores, self.ids, ws, self._status
         )
 
     def _capture(self) -> None:
         index = self.index
         torch = index._torch
-        self._ws = index._workspace(self.nq, self.k, private=True)
+        self._ws = [index._workspace(self.nq, self.k, private=True)]
+        if self.prefilter:
+            self._ws.append(index._workspace(self.nq, self.k, private=True, prefilter=True))
         self._generation = index._generation
-        self._launch = None
+        self._graphs = []
+        self._launchers = []
         if not index._on_gpu:
-            self._graph = None
             return
-        stream = torch.cuda.Stream(device=index.device)
-        stream.wait_stream(torch.cuda.current_stream(index.device))
-        with torch.cuda.stream(stream):
-            self._run()  # compiles the kernels, outside the capture
-        torch.cuda.current_stream(index.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            self._run()
-        torch.cuda.current_stream(index.device).wait_stream(stream)
-        self._graph = graph
+        for prefilter in (False, True)[: len(self._ws)]:
+            stream = torch.cuda.Stream(device=index.device)
+            stream.wait_stream(torch.cuda.current_stream(index.device))
+            with torch.cuda.stream(stream):
+                self._run(prefilter)  # compiles the kernels, outside the capture
+            torch.cuda.current_stream(index.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                self._run(prefilter)
+            torch.cuda.current_stream(index.device).wait_stream(stream)
+            self._graphs.append(graph)
 
     def replay(self) -> None:
         """Run the search on torch's current stream: no host sync, no allocation (except a
-        recapture after the index reallocated its storage)."""
+        recapture after the index reallocated its storage). Not for a prefiltered graph,
+        whose check needs the host: use :meth:`replay_and_wait`."""
+        if self.prefilter:
+            raise InvalidRequest("a prefiltered search graph runs with replay_and_wait")
         if self.index._generation != self._generation:
             self._capture()
-        if self._graph is None:
+        if not self._graphs:
             self._run()
         else:
-            self._graph.replay()
+            self._graphs[0].replay()
 
     def replay_and_wait(self, stream: Any) -> None:
         """:meth:`replay` on ``stream`` (torch's current stream, as there), then wait for it:
         launched and waited for through the driver (:func:`kalos.gpu.driver.graph_launcher`),
         which saves torch's per-replay bookkeeping: at 1M x 128 on the H200, replay + sync
-        87.3 µs against 92.2 with torch's (bench/NOTES-gpu.md, run 7)."""
+        87.3 µs against 92.2 with torch's (bench/NOTES-gpu.md, run 7). A prefiltered graph
+        runs the prefilter first and the full scan only when its result is not proven."""
         if self.index._generation != self._generation:
             self._capture()
-        if self._graph is None:  # the interpreter: ran synchronously
+        prefilter = self.prefilter and self.index._n >= self.index.prefilter_min_rows
+        if not self._graphs:  # the interpreter: runs synchronously
+            if prefilter:
+                self._run(True)
+                if self._status_np[0] == 1:
+                    return
+                self.fallbacks += 1
             self._run()
             return
-        if self._launch is None:
+        if not self._launchers:
             from kalos.gpu import driver
 
-            self._launch = driver.graph_launcher(
-                self._graph.raw_cuda_graph_exec(), stream.cuda_stream
-            )
-        self._launch()
+            self._launchers = [
+                driver.graph_launcher(g.raw_cuda_graph_exec(), stream.cuda_stream)
+                for g in self._graphs
+            ]
+        if prefilter:
+            self._launchers[1]()
+            if self._status_np[0] == 1:
+                return
+            self.fallbacks += 1
+        self._launchers[0]()
 
 
 # ---------------------------------------------------------------------------------- helpers

@@ -163,12 +163,12 @@ class _HostResultGraph(SearchGraph):
             scores, ids = staging.scores[:m].view(nq, k), staging.ids[:m].view(nq, k)
         else:
             scores, ids = torch.from_numpy(out[0]), torch.from_numpy(out[1])
-        super().__init__(index, nq, k, scoped, query=self.inputs.query,
-                         scope=self.inputs.scope, scores=scores, ids=ids)  # fmt: skip
+        super().__init__(index, nq, k, scoped, query=self.inputs.query, scope=self.inputs.scope,
+                         scores=scores, ids=ids, prefilter=True)  # fmt: skip
 
-    def _run(self) -> None:
+    def _run(self, prefilter: bool = False) -> None:
         self.inputs.copy()
-        super()._run()
+        super()._run(prefilter)
 
 
 class PinnedArena:
@@ -220,11 +220,12 @@ class _DeviceResultGraph(SearchGraph):
             scope=self.inputs.scope,
             scores=buffer.scores[:m].view(nq, k),
             ids=buffer.ids[:m].view(nq, k),
+            prefilter=True,
         )  # fmt: skip
 
-    def _run(self) -> None:
+    def _run(self, prefilter: bool = False) -> None:
         self.inputs.copy()
-        super()._run()
+        super()._run(prefilter)
 
 
 class Staging:

@@ -53,6 +53,7 @@ tensors (slowly), which is how CI tests them.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import triton
 import triton.language as tl
@@ -227,6 +228,56 @@ def _tile_scores(
 
 
 @triton.jit
+def _tile_upper(
+    codes_ptr,
+    meta_ptr,
+    sq_ptr,
+    rows,
+    rmask,
+    cap,
+    qv,
+    qT8,
+    q_scale,
+    qn,
+    rq,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    CODES: tl.constexpr,
+    METRIC: tl.constexpr,
+):
+    # -> [1, BLOCK_N] fp32: an upper bound of each row's exact score (the prefilter's key).
+    # codes: [cap, D] int8, row i ~ scale_i * codes_i; meta: [3, cap] fp32 = (scale, e1, e2)
+    # with |q.x - approx| <= |q| e1 + e2 |q - q8| (see prefilter_meta). CODES 1: the codes
+    # upcast against the fp32 query (FMAs); 2: an int8 tensor-core dot against the query
+    # in two int8 parts (q ~ q_scale * (hi + lo / 256)), exact in int32.
+    dc = tl.arange(0, BLOCK_D)
+    ptrs = codes_ptr + rows.to(tl.int64)[:, None] * D + dc[None, :]
+    if BLOCK_D == D:
+        c = tl.load(ptrs, mask=rmask[:, None], other=0)
+    else:
+        c = tl.load(ptrs, mask=rmask[:, None] & (dc[None, :] < D), other=0)
+    scale = tl.load(meta_ptr + rows, mask=rmask, other=0.0)
+    e1 = tl.load(meta_ptr + cap + rows, mask=rmask, other=0.0)
+    if CODES == 2:
+        acc = tl.dot(c, qT8, out_dtype=tl.int32)  # [BLOCK_N, BLOCK_Q]: columns hi, lo
+        col = tl.arange(0, BLOCK_Q)[None, :]
+        hi = tl.sum(tl.where(col == 0, acc, 0), axis=1).to(tl.float32)
+        lo = tl.sum(tl.where(col == 1, acc, 0), axis=1).to(tl.float32)
+        d = hi + lo * (1.0 / 256.0)
+        e2 = tl.load(meta_ptr + 2 * cap + rows, mask=rmask, other=0.0)
+        s = d * (scale * q_scale) + (qn * e1 + rq * e2)
+    else:
+        d = tl.sum(c.to(tl.float32) * qv[None, :], axis=1)
+        s = d * scale + qn * e1
+    if METRIC == 2:
+        # maximise 2 q.x - |x|^2; |x|^2 a hair low, for the rounding of the subtraction
+        sq = tl.load(sq_ptr + rows, mask=rmask, other=0.0)
+        s = 2.0 * s - sq * (1.0 - 2e-6)
+    return s[None, :]
+
+
+@triton.jit
 def _scope_mask(scope_ptr, filt_ptr, rows, rmask, cap):
     # scopes: [3, cap] int64 (tenant, user, session rows); filter: [3] int64, 0 = any.
     # A field whose filter is 0 is not read at all (its load is masked off).
@@ -280,8 +331,12 @@ def _scan_topk_kernel(
     ids_ptr,
     scores_ptr,
     out_ids_ptr,
+    codes_ptr,  # the prefilter (CODES): codes [cap, D] int8, meta [3, cap] fp32,
+    meta_ptr,  # status [1] int32: 1 when the re-ranked top-kf is provably the exact one
+    status_ptr,
     nq,
-    k,
+    k,  # the rows kept per query: the final k, or the prefilter's candidates (CODES)
+    kf,  # the final k (CODES)
     cap,
     stride_q,
     stride_os,
@@ -303,6 +358,8 @@ def _scan_topk_kernel(
     FUSED: tl.constexpr,  # nq == 1: the last program to finish does merge_topk's work
     SURV: tl.constexpr,
     CHUNK: tl.constexpr,
+    CODES: tl.constexpr,  # 0: score the stored rows; 1, 2: the int8 prefilter (_tile_upper)
+    KPF: tl.constexpr,  # key_width(kf) (CODES)
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -312,6 +369,24 @@ def _scan_topk_kernel(
     q = _load_queries(q_ptr, stride_q, nq, D, BLOCK_D, BLOCK_Q, METRIC)  # [BLOCK_Q, BLOCK_D]
     qT = tl.trans(q.to(db_ptr.dtype.element_ty))  # [BLOCK_D, BLOCK_Q] (dot operand)
     qv = tl.sum(tl.where(tl.arange(0, BLOCK_Q)[:, None] == 0, q, 0.0), axis=0)  # [BLOCK_D]
+    if CODES != 0:  # nq == 1: the query's norm, and its int8 form for the int8 dot
+        qn = tl.sqrt(tl.sum(qv * qv, axis=0)) * (1.0 + 1e-5)
+        amax = tl.max(tl.abs(qv), axis=0)
+        q_scale = tl.where(amax > 0, amax / 127.0, 1.0)
+        q8f = tl.minimum(tl.maximum(tl.floor(qv / q_scale + 0.5), -127.0), 127.0)
+        # q ~ q_scale * (hi + lo / 256): two int8 columns of one dot, so the query's own
+        # rounding adds |x| |q - that| <= ~0.2% of the int8 rounding of the rows
+        lo8f = tl.minimum(tl.maximum(tl.floor((qv / q_scale - q8f) * 256.0 + 0.5), -127.0), 127.0)
+        rv = qv - (q8f + lo8f / 256.0) * q_scale
+        rq = tl.sqrt(tl.sum(rv * rv, axis=0)) * (1.0 + 1e-5) + 1e-6 * qn
+        col = tl.arange(0, BLOCK_Q)[None, :]
+        qT8 = tl.where(col == 0, q8f[:, None], tl.where(col == 1, lo8f[:, None], 0.0))
+        qT8 = qT8.to(tl.int8)  # [BLOCK_D, BLOCK_Q]: hi in column 0, lo in column 1
+    else:
+        qn = 0.0
+        q_scale = 1.0
+        rq = 0.0
+        qT8 = qT
     qs = tl.arange(0, BQS)
     qs_ok = qs < nq
     kk = tl.arange(0, KP)
@@ -323,22 +398,28 @@ def _scan_topk_kernel(
     for t in tl.range(pid, n_tiles, P, num_stages=NUM_STAGES):
         rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < n
-        s = _tile_scores(
-            db_ptr,
-            sq_ptr,
-            rows,
-            rmask,
-            qT,
-            qv,
-            D,
-            BLOCK_D,
-            BLOCK_Q,
-            BQS,
-            USE_DOT,
-            METRIC,
-            PREC,
-            DOT_F32,
-        )
+        if CODES != 0:
+            s = _tile_upper(
+                codes_ptr, meta_ptr, sq_ptr, rows, rmask, cap, qv, qT8, q_scale, qn, rq,
+                D, BLOCK_D, BLOCK_Q, CODES, METRIC,
+            )  # fmt: skip
+        else:
+            s = _tile_scores(
+                db_ptr,
+                sq_ptr,
+                rows,
+                rmask,
+                qT,
+                qv,
+                D,
+                BLOCK_D,
+                BLOCK_Q,
+                BQS,
+                USE_DOT,
+                METRIC,
+                PREC,
+                DOT_F32,
+            )
         if SCOPED:  # noqa: SIM108 - a constexpr branch: the filter costs nothing when off
             valid = _scope_mask(scope_ptr, filt_ptr, rows, rmask, cap)
         else:
@@ -377,12 +458,64 @@ def _scan_topk_kernel(
         tl.debug_barrier()
         ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
         if ticket == P - 1:
-            _final_topk(
-                pid * 0, cand_ptr, thr_ptr, slot_ptr, surv_ptr, ids_ptr, q_ptr, scores_ptr,
-                out_ids_ptr, P * KP, k, stride_q, stride_os, stride_oi, D, BLOCK_D, KP, SURV,
-                CHUNK, METRIC, True, True,
-            )  # fmt: skip
+            if CODES != 0:
+                key = _select_top(
+                    pid * 0, cand_ptr, thr_ptr, slot_ptr, surv_ptr, P * KP, k, KP, SURV, CHUNK,
+                    True, True,
+                )  # fmt: skip
+                top = _rerank(db_ptr, sq_ptr, status_ptr, key, qv, kf, D, BLOCK_D, KPF, METRIC)
+                _write_top(
+                    pid * 0, top, ids_ptr, q_ptr, scores_ptr, out_ids_ptr, kf, stride_q,
+                    stride_os, stride_oi, D, BLOCK_D, KPF, METRIC,
+                )  # fmt: skip
+            else:
+                _final_topk(
+                    pid * 0, cand_ptr, thr_ptr, slot_ptr, surv_ptr, ids_ptr, q_ptr, scores_ptr,
+                    out_ids_ptr, P * KP, k, stride_q, stride_os, stride_oi, D, BLOCK_D, KP,
+                    SURV, CHUNK, METRIC, True, True,
+                )  # fmt: skip
             tl.store(ticket_ptr, 0)
+
+
+@triton.jit
+def _rerank(
+    db_ptr,
+    sq_ptr,
+    status_ptr,
+    key,
+    qv,
+    kf,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    KPF: tl.constexpr,
+    METRIC: tl.constexpr,
+):
+    # key: [KPC] the prefilter's candidates, sorted descending by their score's upper bound
+    # -> [KPF] the top-kf of their exact scores (as _tile_scores computes them), sorted.
+    # Writes status 1 when that is provably the exact top-kf of every row: each row left out
+    # has an upper bound <= the least kept one's, and that is below the kf-th exact score
+    # (or fewer than KPC rows passed the filter at all, so none was left out).
+    ok = key != _KEY_NONE
+    _, row = _scores_from_keys(key)
+    row = tl.where(ok, row, 0)
+    dc = tl.arange(0, BLOCK_D)
+    x = tl.load(
+        db_ptr + row.to(tl.int64)[:, None] * D + dc[None, :],
+        mask=ok[:, None] & (dc[None, :] < D),
+        other=0.0,
+    )
+    e = tl.sum(x.to(tl.float32) * qv[None, :], axis=1)
+    if METRIC == 2:
+        e = 2.0 * e - tl.load(sq_ptr + row, mask=ok, other=0.0)
+    ekeys = _keys_from_scores(e[None, :], row[None, :], ok[None, :])
+    top = tl.reshape(_topk_desc(ekeys, KPF), [KPF])
+    least = tl.min(key, axis=0)  # KEY_NONE when fewer rows than KPC were candidates
+    kth = tl.max(tl.where(tl.arange(0, KPF) == kf - 1, top, _KEY_NONE), axis=0)
+    least_s, _ = _scores_from_keys(least)
+    kth_s, _ = _scores_from_keys(kth)
+    exact = (least == _KEY_NONE) | ((kth != _KEY_NONE) & (least_s < kth_s))
+    tl.store(status_ptr, exact.to(tl.int32))
+    return top
 
 
 @triton.jit
@@ -410,9 +543,34 @@ def _final_topk(
     SELECT: tl.constexpr,
     FRESH: tl.constexpr,
 ):
-    # The final top-k of query qid from its candidates (see merge_topk). FRESH: the state
-    # and candidates were written by other programs of this same launch (the fused scan's
-    # last program): read them past this multiprocessor's L1 (volatile loads).
+    # The final top-k of query qid from its candidates (see merge_topk), decoded and written.
+    key = _select_top(
+        qid, cand_ptr, thr_ptr, slot_ptr, surv_ptr, NCAND, k, KP, SURV, CHUNK, SELECT, FRESH
+    )
+    _write_top(
+        qid, key, ids_ptr, q_ptr, scores_ptr, out_ids_ptr, k, stride_q, stride_os, stride_oi,
+        D, BLOCK_D, KP, METRIC,
+    )  # fmt: skip
+
+
+@triton.jit
+def _select_top(
+    qid,
+    cand_ptr,
+    thr_ptr,
+    slot_ptr,
+    surv_ptr,
+    NCAND,
+    k,
+    KP: tl.constexpr,
+    SURV: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SELECT: tl.constexpr,
+    FRESH: tl.constexpr,
+):
+    # -> [KP] the top-KP keys of query qid's candidates, sorted descending (KEY_NONE padded).
+    # FRESH: the state and candidates were written by other programs of this same launch
+    # (the fused scan's last program): read them past this multiprocessor's L1 (volatile).
     kk = tl.arange(0, KP)
     base = cand_ptr + qid.to(tl.int64) * NCAND
     if SELECT:
@@ -453,6 +611,28 @@ def _final_topk(
         tl.store(slot_ptr + qid * KP + kk, tl.full([KP], _KEY_NONE, tl.int64))
     else:
         key = tl.load(base + kk, mask=kk < NCAND, other=_KEY_NONE)
+    return key
+
+
+@triton.jit
+def _write_top(
+    qid,
+    key,
+    ids_ptr,
+    q_ptr,
+    scores_ptr,
+    out_ids_ptr,
+    k,
+    stride_q,
+    stride_os,
+    stride_oi,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    KP: tl.constexpr,
+    METRIC: tl.constexpr,
+):
+    # key: [KP] sorted descending -> the first k as (score, id) in the metric's terms
+    kk = tl.arange(0, KP)
     s, row = _scores_from_keys(key)
     ok = key != _KEY_NONE
     ids = tl.load(ids_ptr + row, mask=ok, other=-1)
@@ -675,6 +855,84 @@ def choose_config(dim: int, elem_bytes: int, nq: int, k: int, on_gpu: bool) -> S
     )
 
 
+# ---------------------------------------------------------------------- the int8 prefilter
+# A single query's scan reads int8 codes (1 byte a dimension, plus 12 bytes of meta a row)
+# instead of the stored rows, keeps the rows of highest score *bound*, and re-scores those
+# exactly; the bound makes the result provably exact or says it is not (see scan_topk).
+
+PREFILTER_MAX_K = 32  # above this the candidate lists grow past what pays
+PREFILTER_MIN_DIM = 32  # an int8 dot operand needs K >= 32
+# Where it pays, from bench/search_gpu_prefilter.py on the H200 (bench/NOTES-gpu.md, run 8):
+# at 10M x 128 the kernel took 441 µs against the full scan's 608; at 1M x 128, 75.7 against
+# 74.9 (keeping 32 candidates costs as much as the bytes it saves); at 1M x 768, 437 against
+# 377, with one search in five not proven (the bound grows with the dimension).
+PREFILTER_MIN_ROWS = 4_000_000
+PREFILTER_MAX_DIM = 256
+# Relative slack of the bound: the fp32 rounding of the prefilter's dot product and of the
+# exact score's (each at most ~D * 2^-24 of |q| |x| for D <= 2048), with room to spare.
+PREFILTER_SLACK = 3e-4
+PREFILTER_DOT = 2  # the scan's CODES: int8 tensor-core dot against an int8 query
+PREFILTER_FMA = 1  # the codes upcast against the fp32 query
+
+
+def prefilter_candidates(k: int) -> int:
+    """Rows kept for the exact re-rank: a power of two >= 2k and >= 32."""
+    return max(32, next_pow2(2 * k))
+
+
+def prefilter_ok(nq: int, k: int, dim: int) -> bool:
+    """Whether a search of this shape can take the prefilter (one query, small k, a dim where
+    it pays)."""
+    return nq == 1 and 1 <= k <= PREFILTER_MAX_K and PREFILTER_MIN_DIM <= dim <= PREFILTER_MAX_DIM
+
+
+def prefilter_meta(x: Any) -> tuple[Any, Any]:
+    """The prefilter's form of stored rows ``x [n, D]`` (torch, any float dtype, the values
+    exactly as stored): ``(codes [n, D] int8, meta [3, n] fp32)``.
+
+    Row i is approximated by ``scale_i * codes_i`` (symmetric, ``scale_i = max|x_i| / 127``).
+    For a query q, ``|q.x_i - q.(scale_i codes_i)| <= |q| * r_i`` with ``r_i`` the residual's
+    norm, and against an int8 query ``q ~ s_q q8``, ``|q.x_i - s_q scale_i (q8.codes_i)| <=
+    |q| r_i + |scale_i codes_i| |q - s_q q8|``. meta holds ``(scale, e1, e2)``: e1 = r_i and e2 =
+    ``|scale_i codes_i|``, computed in float64, each raised by PREFILTER_SLACK of the row's norm
+    (fp32 rounding of both scores) and rounded up into fp32."""
+    import torch
+
+    codes = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+    meta = torch.empty((3, x.shape[0]), dtype=torch.float32, device=x.device)
+    up = 1.0 + 2.0**-20
+    for lo in range(0, x.shape[0], 1 << 18):  # float64 work space: 2 MB a dimension
+        xd = x[lo : lo + (1 << 18)].double()
+        amax = xd.abs().amax(dim=1)
+        scale = (amax / 127.0).where(amax > 0, amax.new_ones(())).float()
+        s = scale.double()[:, None]
+        c = (xd / s).round().clamp(-127, 127)
+        resid = (xd - c * s).norm(dim=1)
+        cn = c.norm(dim=1) * s[:, 0]
+        hi = lo + len(xd)
+        codes[lo:hi] = c.to(torch.int8)
+        meta[0, lo:hi] = scale
+        meta[1, lo:hi] = ((resid + PREFILTER_SLACK * (cn + resid)) * up).float()
+        meta[2, lo:hi] = (cn * (1.0 + PREFILTER_SLACK) * up).float()
+    return codes, meta
+
+
+def choose_prefilter_config(dim: int, on_gpu: bool, mode: int = PREFILTER_DOT) -> ScanConfig:
+    """Launch shape of the prefilter's scan (int8 rows of ``dim`` bytes; sweeps in
+    bench/NOTES-gpu.md)."""
+    if not on_gpu:
+        return ScanConfig(block_n=64, num_warps=4, num_stages=1, use_dot=True, programs_per_sm=4)
+    bn = max(64, min(256, next_pow2(32768 // block_d(dim))))
+    stages = max(1, min(3, (96 * 1024) // (bn * block_d(dim))))
+    return ScanConfig(
+        block_n=bn,
+        num_warps=8,
+        num_stages=stages,
+        use_dot=mode == PREFILTER_DOT,
+        programs_per_sm=2,
+    )
+
+
 def survivors_width(k: int) -> int:
     """SURV: room for the keys that pass the final bound (~50 for k = 10 at 1M-10M rows)."""
     return 16 * key_width(k)
@@ -724,6 +982,7 @@ def scan_topk(
     programs: int,
     cfg: ScanConfig,
     final: tuple | None = None,
+    prefilter: tuple | None = None,
 ) -> bool:
     """Launch the fused scan.
 
@@ -736,8 +995,23 @@ def scan_topk(
     single query with ``cfg.fused`` the scan's last program selects the final top-k into
     them (and resets the state and the ticket). Returns whether it did; if not, the caller
     runs merge_topk.
+
+    prefilter: (codes [cap, D] int8, meta [3, cap] fp32, status [1] int32, mode 1 | 2, keep) to
+    scan the int8 codes instead (see :func:`prefilter_meta`; mode 2 scores them with an int8
+    dot, 1 with FMAs): the scan keeps the ``keep`` (> k) rows of highest score bound,
+    the last program re-scores them from ``db`` and writes their exact top-k, and ``status``
+    says whether that is provably the exact top-k of all rows (1) or needs the full scan (0).
+    Needs ``final`` and one query; state and cand sized for ``keep``.
     """
     nq, dim = q.shape
+    kf = k
+    if prefilter is not None:
+        if final is None or nq != 1 or not cfg.fused:
+            raise ValueError("the int8 prefilter runs fused, for one query")
+        codes, meta, status, codes_mode, k = prefilter
+    else:
+        codes = meta = status = db
+        codes_mode = 0
     kp = key_width(k)
     bn = max(cfg.block_n, kp)
     use_dot = cfg.use_dot or nq > 1
@@ -768,8 +1042,12 @@ def scan_topk(
         ids,
         scores_out,
         ids_out,
+        codes,
+        meta,
+        status,
         nq,
         k,
+        kf,
         db.shape[0],
         q.stride(0),
         stride_os,
@@ -791,6 +1069,8 @@ def scan_topk(
         FUSED=fused,
         SURV=surv.shape[1],
         CHUNK=min(FUSED_CHUNK, merge_chunk(ncand, k)),
+        CODES=codes_mode,
+        KPF=key_width(kf),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

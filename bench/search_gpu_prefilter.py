@@ -1,0 +1,151 @@
+"""The int8 prefilter's scan against the full fp16 scan, kernel alone, on one GPU.
+
+For each size: the full scan's graph (``scan_topk`` over the fp16 rows) and the prefilter's
+graph (``scan_topk`` over the int8 codes, exact re-rank in the last program) under several
+launch shapes and both scoring forms (int8 tensor-core dot against an int8 query; FMAs
+against the fp32 query). Each row: CUDA-event p50/p99 of graph replays with one query, its
+ratio to its own bandwidth floor (bytes it must read / measured copy bandwidth), and over
+``--check`` distinct queries how often the bound proved the result (no fallback) and how often
+the ids differed from the full scan's (must be 0).
+
+Usage (CUDA machine): ``python3 bench/search_gpu_prefilter.py --out DIR [--sizes 1000000x128]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from kalos.index.cuda_flat import CudaFlatIndex
+from kalos.index.kernels import scan_topk as kern
+
+
+def _bandwidth() -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(20):
+        dst.copy_(src)
+    b.record()
+    torch.cuda.synchronize()
+    return 2 * 20 * src.numel() / (a.elapsed_time(b) / 1e3)
+
+
+def _times(fn: Any, reps: int) -> np.ndarray:
+    for _ in range(20):
+        fn()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+          for _ in range(reps)]  # fmt: skip
+    for a, b in ev:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return np.array([a.elapsed_time(b) * 1e3 for a, b in ev])  # µs
+
+
+def _row(name: str, t: np.ndarray, floor: float, **extra: Any) -> dict[str, Any]:
+    p50, p99 = (float(v) for v in np.percentile(t, [50, 99]))
+    return {"variant": name, "p50_us": round(p50, 2), "p99_us": round(p99, 2),
+            "floor_us": round(floor, 2), "over_floor": round(p50 / floor, 3), **extra}  # fmt: skip
+
+
+def run_size(n: int, dim: int, k: int, bw: float, checks: int, reps: int) -> dict[str, Any]:
+    gen = torch.Generator(device="cuda").manual_seed(n + dim)
+    idx = CudaFlatIndex(dim=dim, metric="ip", spec="cuda:flat,fp16")
+    idx.reserve(n)
+    idx.add(torch.randn((n, dim), generator=gen, device="cuda").half(), torch.arange(n).cuda())
+    qs = torch.randn((checks, dim), generator=gen, device="cuda")
+    stream = torch.cuda.current_stream()
+    idx.prefilter_min_rows = 0  # the prefilter at every size here
+    full = idx.graph(1, k)
+    full.query.copy_(qs[:1])
+    rows = [_row("full-fp16", _times(full.replay, reps), n * dim * 2 / bw * 1e6)]
+    want = []
+    for i in range(checks):
+        full.query.copy_(qs[i : i + 1])
+        full.replay()
+        want.append(full.ids.clone())
+    want_ids = torch.cat(want).cpu().numpy()
+
+    variants: list[tuple[str, int, Any, int | None, int | None]] = [
+        ("default-dot", kern.PREFILTER_DOT, None, None, None),
+    ]
+    if n == 1_000_000 and dim == 128:
+        for keep, surv in ((16, None), (32, None), (32, 128), (32, 64), (16, 32)):
+            for bn, warps, stages, pps in ((256, 4, 3, 2), (512, 8, 2, 1)):
+                cfg = kern.ScanConfig(block_n=bn, num_warps=warps, num_stages=stages,
+                                      use_dot=True, programs_per_sm=pps)  # fmt: skip
+                variants.append((f"dot-keep{keep}-surv{surv}-bn{bn}-w{warps}-s{stages}-p{pps}",
+                                 kern.PREFILTER_DOT, cfg, keep, surv))  # fmt: skip
+    for name, mode, cfg, keep, surv in variants:
+        idx.prefilter_mode = mode
+        idx.prefilter_config = cfg
+        idx.prefilter_keep = keep
+        idx.prefilter_surv = surv
+        try:
+            g = idx.graph(1, k, prefilter=True)
+        except Exception as exc:  # a shape Triton cannot build: say so, go on
+            rows.append({"variant": name, "error": repr(exc)[:300]})
+            continue
+        g.query.copy_(qs[:1])
+        graph = g.cuda_graph
+        t = _times(graph.replay, reps)
+        got = []
+        for i in range(checks):
+            g.query.copy_(qs[i : i + 1])
+            g.replay_and_wait(stream)
+            got.append(g.ids.clone())
+        got_ids = torch.cat(got).cpu().numpy()
+        differ = int((np.sort(got_ids, 1) != np.sort(want_ids, 1)).any(1).sum())
+        meta_bytes = 8 if mode == kern.PREFILTER_FMA else 12
+        floor = n * (dim + meta_bytes) / bw * 1e6
+        cfg_used = g._ws[1]["cfg"]
+        rows.append(_row(name, t, floor, fallbacks=g.fallbacks, checks=checks,
+                         differ_from_full=differ, config=repr(cfg_used), keep=idx._keep(k),
+                         programs=g._ws[1]["programs"],
+                         surv=g._ws[1]["state"][2].shape[1]))  # fmt: skip
+        print(rows[-1], flush=True)
+    idx.prefilter_config = None
+    idx.prefilter_keep = None
+    idx.prefilter_surv = None
+    idx.prefilter_mode = kern.PREFILTER_DOT
+    print(rows[0], flush=True)
+    return {"n": n, "dim": dim, "k": k, "rows": rows}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", nargs="+", default=["1000000x128", "10000000x128", "1000000x768"])
+    ap.add_argument("--k", type=int, default=10)
+    ap.add_argument("--checks", type=int, default=200)
+    ap.add_argument("--reps", type=int, default=500)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    bw = _bandwidth()
+    out: dict[str, Any] = {"scenario": "search-gpu-prefilter", "machine": "H200",
+                           "date": datetime.date.today().isoformat(),
+                           "gpu": torch.cuda.get_device_name(),
+                           "copy_bandwidth_TBps": round(bw / 1e12, 3), "sets": []}  # fmt: skip
+    for size in args.sizes:
+        n, dim = (int(v) for v in size.split("x"))
+        out["sets"].append(run_size(n, dim, args.k, bw, args.checks, args.reps))
+        torch.cuda.empty_cache()
+        if args.out:
+            path = os.path.join(args.out, f"search-gpu-prefilter-H200-{out['date']}.json")
+            with open(path, "w") as f:
+                json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
