@@ -553,6 +553,7 @@ def test_prefilter_falls_back_to_the_full_scan_when_the_bound_cannot_prove():
     idx.add(x, ids)
     g = check_graph_search(idx, x, ids, None, base[None], 10)
     assert g.prefilter and g.fallbacks == 1
+    assert (idx.prefilter_searches, idx.prefilter_fallbacks) == (1, 1)  # the metrics' counts
 
 
 def test_prefilter_only_where_it_applies():

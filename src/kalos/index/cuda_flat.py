@@ -137,6 +137,9 @@ class CudaFlatIndex:
         # prefiltered graphs take the int8 scan from this many live rows on (below it the
         # full scan is as fast: kernels.PREFILTER_MIN_ROWS)
         self.prefilter_min_rows = kernels.PREFILTER_MIN_ROWS
+        # searches that took the prefilter, and those of them that replayed the full scan
+        self.prefilter_searches = 0
+        self.prefilter_fallbacks = 0
         self._torch = torch
         self._k = kernels
         self._metric_code = _METRICS[metric]
@@ -794,13 +797,16 @@ class SearchGraph:
         runs the prefilter first and the full scan only when its result is not proven."""
         if self.index._generation != self._generation:
             self._capture()
-        prefilter = self.prefilter and self.index._n >= self.index.prefilter_min_rows
+        index = self.index
+        prefilter = self.prefilter and index._n >= index.prefilter_min_rows
         if not self._graphs:  # the interpreter: runs synchronously
             if prefilter:
+                index.prefilter_searches += 1
                 self._run(True)
                 if self._status_np[0] == 1:
                     return
                 self.fallbacks += 1
+                index.prefilter_fallbacks += 1
             self._run()
             return
         if not self._launchers:
@@ -811,10 +817,12 @@ class SearchGraph:
                 for g in self._graphs
             ]
         if prefilter:
+            index.prefilter_searches += 1
             self._launchers[1]()
             if self._status_np[0] == 1:
                 return
             self.fallbacks += 1
+            index.prefilter_fallbacks += 1
         self._launchers[0]()
 
 
