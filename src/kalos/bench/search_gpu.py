@@ -108,6 +108,18 @@ def _run_size(args: argparse.Namespace, torch: Any, n: int, dim: int, bw: float)
     _event_times(torch, kernel, 50)
     t_kernel = _event_times(torch, graph.replay, args.queries)
     rows.append(summarize("kalos-kernel", t_kernel))
+    # The int8 prefilter's graph, where the sidecar takes it (>= 4M rows): its replay alone
+    # (the proof's check and any fallback happen on the host, after it)
+    pre_floor_us = n * (dim + 12) / bw * 1e6
+    if index.prefilter_ok(1, k) and n >= index.prefilter_min_rows:
+        pre = index.graph(1, k, prefilter=True)
+        pre.query.copy_(q_gpu[:1])
+        _event_times(torch, pre.cuda_graph.replay, 50)
+        row = summarize("kalos-kernel-prefilter", _event_times(torch, pre.cuda_graph.replay,
+                                                                args.queries))  # fmt: skip
+        row["floor_us"] = round(pre_floor_us, 3)
+        rows.append(row)
+        del pre
 
     # torch.topk(q @ db.T) in this process, eager and as a CUDA graph.
     qs = q_gpu.half()
@@ -194,6 +206,11 @@ def _run_size(args: argparse.Namespace, torch: Any, n: int, dim: int, bw: float)
         "e2e_gpu_p99_us": by["kalos-shm-gpu"]["p99_us"],
         "kernel_p50_us": by["kalos-kernel"]["p50_us"],
         "kernel_over_floor": round(by["kalos-kernel"]["p50_us"] / floor_us, 3),
+        "prefilter_kernel_over_its_floor": (
+            round(by["kalos-kernel-prefilter"]["p50_us"] / pre_floor_us, 3)
+            if "kalos-kernel-prefilter" in by
+            else None
+        ),
         "torch_over_kalos_e2e_p50": round(
             by["torch-inprocess"]["p50_us"] / by["kalos-shm"]["p50_us"], 3
         ),
