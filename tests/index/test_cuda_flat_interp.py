@@ -565,11 +565,16 @@ def test_prefilter_only_where_it_applies():
     assert not idx.graph(1, 33, prefilter=True).prefilter  # k above PREFILTER_MAX_K
     with pytest.raises(InvalidRequest, match="replay_and_wait"):
         idx.graph(1, 10, prefilter=True).replay()
-    # below prefilter_min_rows a prefiltered graph runs the full scan: no verdict is written
+    # below prefilter_min_rows a prefiltered graph runs the full scan: no verdict is written,
+    # and the prefilter's workspace (and, on a GPU, its graph) is not even made
     g = idx.graph(1, 10, prefilter=True)
     g._status_np[0] = 7
     g.replay_and_wait(None)
-    assert g._status_np[0] == 7 and g.fallbacks == 0
+    assert g._status_np[0] == 7 and g.fallbacks == 0 and len(g._ws) == 1
+    assert g.cuda_graph is None and g.prefilter_cuda_graph() is None  # the CPU: no graphs
+    assert len(g._ws) == 2
+    with pytest.raises(InvalidRequest, match="no prefilter"):
+        idx.graph(1, 10).prefilter_cuda_graph()
     idx.prefilter_min_rows = 40
     g.query.copy_(torch.ones((1, 64)))
     g.replay_and_wait(None)

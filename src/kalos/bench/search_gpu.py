@@ -114,9 +114,9 @@ def _run_size(args: argparse.Namespace, torch: Any, n: int, dim: int, bw: float)
     if index.prefilter_ok(1, k) and n >= index.prefilter_min_rows:
         pre = index.graph(1, k, prefilter=True)
         pre.query.copy_(q_gpu[:1])
-        _event_times(torch, pre.cuda_graph.replay, 50)
-        row = summarize("kalos-kernel-prefilter", _event_times(torch, pre.cuda_graph.replay,
-                                                                args.queries))  # fmt: skip
+        replay = pre.prefilter_cuda_graph().replay
+        _event_times(torch, replay, 50)
+        row = summarize("kalos-kernel-prefilter", _event_times(torch, replay, args.queries))
         row["floor_us"] = round(pre_floor_us, 3)
         rows.append(row)
         del pre

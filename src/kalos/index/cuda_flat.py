@@ -742,9 +742,16 @@ class SearchGraph:
 
     @property
     def cuda_graph(self) -> Any:
-        """The captured graph of the search as replayed first (the prefilter's, if any);
-        None on the CPU. Replaying it alone skips the prefilter's check (benchmarks)."""
-        return self._graphs[-1] if self._graphs else None
+        """The captured graph of the full scan; None on the CPU."""
+        return self._graphs[0] if self._graphs else None
+
+    def prefilter_cuda_graph(self) -> Any:
+        """The prefilter's captured graph (captured now if it was not yet); None on the CPU.
+        Replaying it alone skips the check of its proof (benchmarks)."""
+        if not self.prefilter:
+            raise InvalidRequest("this search graph has no prefilter")
+        self._ensure(True)
+        return self._graphs[1] if len(self._graphs) > 1 else None
 
     def _run(self, prefilter: bool = False) -> None:
         filt = self.scope if self.scope_active else self.index._no_filter
@@ -754,27 +761,38 @@ class SearchGraph:
         )
 
     def _capture(self) -> None:
-        index = self.index
-        torch = index._torch
-        self._ws = [index._workspace(self.nq, self.k, private=True)]
-        if self.prefilter:
-            self._ws.append(index._workspace(self.nq, self.k, private=True, prefilter=True))
-        self._generation = index._generation
+        """The full scan's workspace and graph; the prefilter's come on first use (_ensure),
+        since below prefilter_min_rows it never runs."""
+        self._ws = [self.index._workspace(self.nq, self.k, private=True)]
+        self._generation = self.index._generation
         self._graphs = []
         self._launchers = []
+        self._capture_one(False)
+
+    def _ensure(self, prefilter: bool) -> None:
+        """Recaptures after the index reallocated; adds the prefilter's part when needed."""
+        if self.index._generation != self._generation:
+            self._capture()
+        if prefilter and len(self._ws) == 1:
+            self._ws.append(self.index._workspace(self.nq, self.k, private=True, prefilter=True))
+            self._launchers = []
+            self._capture_one(True)
+
+    def _capture_one(self, prefilter: bool) -> None:
+        index = self.index
         if not index._on_gpu:
             return
-        for prefilter in (False, True)[: len(self._ws)]:
-            stream = torch.cuda.Stream(device=index.device)
-            stream.wait_stream(torch.cuda.current_stream(index.device))
-            with torch.cuda.stream(stream):
-                self._run(prefilter)  # compiles the kernels, outside the capture
-            torch.cuda.current_stream(index.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                self._run(prefilter)
-            torch.cuda.current_stream(index.device).wait_stream(stream)
-            self._graphs.append(graph)
+        torch = index._torch
+        stream = torch.cuda.Stream(device=index.device)
+        stream.wait_stream(torch.cuda.current_stream(index.device))
+        with torch.cuda.stream(stream):
+            self._run(prefilter)  # compiles the kernels, outside the capture
+        torch.cuda.current_stream(index.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            self._run(prefilter)
+        torch.cuda.current_stream(index.device).wait_stream(stream)
+        self._graphs.append(graph)
 
     def replay(self) -> None:
         """Run the search on torch's current stream: no host sync, no allocation (except a
@@ -782,8 +800,7 @@ class SearchGraph:
         whose check needs the host: use :meth:`replay_and_wait`."""
         if self.prefilter:
             raise InvalidRequest("a prefiltered search graph runs with replay_and_wait")
-        if self.index._generation != self._generation:
-            self._capture()
+        self._ensure(False)
         if not self._graphs:
             self._run()
         else:
@@ -795,10 +812,9 @@ class SearchGraph:
         which saves torch's per-replay bookkeeping: at 1M x 128 on the H200, replay + sync
         87.3 µs against 92.2 with torch's (bench/NOTES-gpu.md, run 7). A prefiltered graph
         runs the prefilter first and the full scan only when its result is not proven."""
-        if self.index._generation != self._generation:
-            self._capture()
         index = self.index
         prefilter = self.prefilter and index._n >= index.prefilter_min_rows
+        self._ensure(prefilter)
         if not self._graphs:  # the interpreter: runs synchronously
             if prefilter:
                 index.prefilter_searches += 1
