@@ -164,6 +164,15 @@ def print_table(
 # -- CPU affinity --------------------------------------------------------------------------------
 
 
+def add_affinity_argument(p: Any, servers: str = "the sidecar") -> None:
+    """The benchmarks' ``--affinity`` option (see :func:`split_cpus`); ``servers`` names what
+    runs on the last CPU, for the help text."""
+    p.add_argument("--affinity", choices=("split", "none"), default="split",
+                   help=f"split: {servers} on this process's last CPU, the calling threads on "
+                   "the others (client and server never share a core); none: wherever the "
+                   "scheduler puts them")  # fmt: skip
+
+
 def split_cpus(mode: str) -> tuple[list[int], list[int]] | None:
     """``(client CPUs, server CPUs)`` for ``--affinity`` ``mode``: "split" gives the servers
     (the sidecar's process, and a baseline's server beside it) the last CPU this process may

@@ -45,6 +45,7 @@ import numpy as np
 from kalos.bench.baseline import DictMemory, RedisMemory, Turn, find_redis_server, redis_server
 from kalos.bench.common import (
     System,
+    add_affinity_argument,
     cpu_split,
     level_rows,
     load_average,
@@ -73,10 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--redis-server", default=None, help="path of redis-server")
     p.add_argument("--suffix", default=None, help="appended to the result file names")
-    p.add_argument("--affinity", choices=("split", "none"), default="split",
-                   help="split: the sidecar and redis-server on this process's last CPU, the "
-                   "calling threads on the others (client and server never share a core); "
-                   "none: wherever the scheduler puts them")  # fmt: skip
+    add_affinity_argument(p, "the sidecar and redis-server")
 
 
 # -- the run -----------------------------------------------------------------------------------

@@ -54,6 +54,8 @@ from kalos.bench.baseline import (
 )
 from kalos.bench.common import (
     System,
+    add_affinity_argument,
+    cpu_split,
     level_rows,
     load_average,
     plot_levels,
@@ -91,6 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the kalos client spins this long, then parks")  # fmt: skip
     p.add_argument("--seed", type=int, default=17)
     p.add_argument("--redis-server", default=None, help="path of redis-server")
+    add_affinity_argument(p, "the sidecar and redis-server")
     p.add_argument("--suffix", default=None,
                    help="appended to the result file names (default: the device)")  # fmt: skip
 
@@ -217,6 +220,10 @@ def run(args: argparse.Namespace) -> int:
             dim=args.dim, name="bench-recall", runtime_dir=rd, extra_args=extra_args
         ) as sidecar,
         redis_server(redis_bin) as (r, redis_version),
+        cpu_split(
+            args.affinity,
+            {"sidecar": sidecar.process.pid, "redis": int(r.info("server")["process_id"])},
+        ) as affinity,
     ):
         t0 = time.perf_counter()
         load_kalos(sidecar, corpus, args)
@@ -335,6 +342,7 @@ def run(args: argparse.Namespace) -> int:
         "concurrency": levels,
         "device": args.device,
         "client_spin_us": args.spin_us,
+        "affinity": affinity,
         "baseline_device": base_device,
         "margin": args.margin,
         "seed": args.seed,

@@ -29,7 +29,13 @@ from typing import Any
 
 import numpy as np
 
-from kalos.bench.common import cpu_split, print_table, summarize, write_result
+from kalos.bench.common import (
+    add_affinity_argument,
+    cpu_split,
+    print_table,
+    summarize,
+    write_result,
+)
 from kalos.bench.plots import plot_result
 from kalos.testing import isolated_sidecar
 
@@ -59,13 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--samples", action="store_true", help="also save every sample next to the JSON (.npz)"
     )
     p.add_argument("--suffix", default=None, help="appended to the result file names")
-    p.add_argument(
-        "--affinity",
-        choices=("split", "none"),
-        default="split",
-        help="split: the sidecar on the last CPU, the clients on the others (their own cores, "
-        "as the shm target assumes); none: the scheduler's choice",
-    )
+    add_affinity_argument(p)
 
 
 def _levels(text: str) -> list[int]:
