@@ -35,6 +35,7 @@ from kalos.server.admin import (  # noqa: E402
     READYZ_PATH,
     AdminServer,
     RequestStats,
+    SidecarCollector,
     _request_families,
 )
 from kalos.testing import RunningSidecar, isolated_sidecar  # noqa: E402
@@ -297,3 +298,19 @@ def test_buckets_are_powers_of_two_of_nanoseconds() -> None:
 
 def test_paths_are_the_ones_served() -> None:
     assert PATHS == (HEALTHZ_PATH, READYZ_PATH, METRICS_PATH)
+
+
+def test_gpu_families_count_prefilter_searches_even_without_memory_figures() -> None:
+    # a cuda sidecar's GPU families, on the CPU: a stand-in sidecar whose index counted
+    # prefiltered searches; torch's memory query fails here (no CUDA), the counters still come
+    from types import SimpleNamespace
+
+    index = SimpleNamespace(prefilter_searches=7, prefilter_fallbacks=2)
+    stand_in = SimpleNamespace(config=SimpleNamespace(device="cuda:0"),
+                               memories=SimpleNamespace(index=index))  # fmt: skip
+    collector = SidecarCollector(stand_in, None)  # type: ignore[arg-type]
+    got = {f.name: f.samples[0].value for f in collector._gpu_families()}
+    assert got["kalos_gpu_prefilter_searches"] == 7
+    assert got["kalos_gpu_prefilter_fallbacks"] == 2
+    cpu = SimpleNamespace(config=SimpleNamespace(device="cpu"))
+    assert list(SidecarCollector(cpu, None)._gpu_families()) == []  # type: ignore[arg-type]

@@ -382,6 +382,16 @@ class SidecarCollector:
         device = self._sidecar.config.device
         if not device.startswith("cuda"):
             return
+        index = self._sidecar.memories.index
+        for attr, name, help_text in (
+            ("prefilter_searches", "kalos_gpu_prefilter_searches",
+             "Single-query searches that scanned the int8 codes first"),
+            ("prefilter_fallbacks", "kalos_gpu_prefilter_fallbacks",
+             "Of those, searches whose bound did not prove the answer (full scan replayed)"),
+        ):  # fmt: skip
+            c = CounterMetricFamily(name, help_text, labels=("device",))
+            c.add_metric((device,), getattr(index, attr, 0))
+            yield c
         try:
             import torch
 
@@ -405,16 +415,6 @@ class SidecarCollector:
             g = GaugeMetricFamily(name, help_text, labels=("device",))
             g.add_metric((device,), value)
             yield g
-        index = self._sidecar.memories.index
-        for attr, name, help_text in (
-            ("prefilter_searches", "kalos_gpu_prefilter_searches",
-             "Single-query searches that scanned the int8 codes first"),
-            ("prefilter_fallbacks", "kalos_gpu_prefilter_fallbacks",
-             "Of those, searches whose bound did not prove the answer (full scan replayed)"),
-        ):  # fmt: skip
-            c = CounterMetricFamily(name, help_text, labels=("device",))
-            c.add_metric((device,), getattr(index, attr, 0))
-            yield c
 
 
 def control_state(sidecar: Sidecar) -> str:
