@@ -2,8 +2,8 @@
 
 For each size: the full scan's graph (``scan_topk`` over the fp16 rows) and the prefilter's
 graph (``scan_topk`` over the int8 codes, exact re-rank in the last program) under several
-launch shapes and both scoring forms (int8 tensor-core dot against an int8 query; FMAs
-against the fp32 query). Each row: CUDA-event p50/p99 of graph replays with one query, its
+launch shapes and numbers of rows kept (the int8 tensor-core dot; sweep 1 also ran the FMA
+form, ``PREFILTER_FMA``, slower at every size). Each row: CUDA-event p50/p99 of graph replays with one query, its
 ratio to its own bandwidth floor (bytes it must read / measured copy bandwidth), and over
 ``--check`` distinct queries how often the bound proved the result (no fallback) and how often
 the ids differed from the full scan's (must be 0).
@@ -22,35 +22,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from kalos.bench.search_gpu import _copy_bandwidth, _event_times
 from kalos.index.cuda_flat import CudaFlatIndex
 from kalos.index.kernels import scan_topk as kern
 
 
-def _bandwidth() -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(20):
-        dst.copy_(src)
-    b.record()
-    torch.cuda.synchronize()
-    return 2 * 20 * src.numel() / (a.elapsed_time(b) / 1e3)
-
-
 def _times(fn: Any, reps: int) -> np.ndarray:
-    for _ in range(20):
-        fn()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-          for _ in range(reps)]  # fmt: skip
-    for a, b in ev:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return np.array([a.elapsed_time(b) * 1e3 for a, b in ev])  # µs
+    """µs per call of ``fn`` by CUDA events, after 20 untimed calls."""
+    _event_times(torch, fn, 20)
+    return _event_times(torch, fn, reps) / 1e3
 
 
 def _row(name: str, t: np.ndarray, floor: float, **extra: Any) -> dict[str, Any]:
@@ -77,21 +57,20 @@ def run_size(n: int, dim: int, k: int, bw: float, checks: int, reps: int) -> dic
         want.append(full.ids.clone())
     want_ids = torch.cat(want).cpu().numpy()
 
-    variants: list[tuple[str, int, Any, int | None, int | None]] = [
-        ("default-dot", kern.PREFILTER_DOT, None, None, None),
+    variants: list[tuple[str, int, Any, int | None]] = [
+        ("default-dot", kern.PREFILTER_DOT, None, None),
     ]
     if n == 1_000_000 and dim == 128:
-        for keep, surv in ((16, None), (32, None), (32, 128), (32, 64), (16, 32)):
+        for keep in (16, 32, 64):
             for bn, warps, stages, pps in ((256, 4, 3, 2), (512, 8, 2, 1)):
                 cfg = kern.ScanConfig(block_n=bn, num_warps=warps, num_stages=stages,
                                       use_dot=True, programs_per_sm=pps)  # fmt: skip
-                variants.append((f"dot-keep{keep}-surv{surv}-bn{bn}-w{warps}-s{stages}-p{pps}",
-                                 kern.PREFILTER_DOT, cfg, keep, surv))  # fmt: skip
-    for name, mode, cfg, keep, surv in variants:
+                variants.append((f"dot-keep{keep}-bn{bn}-w{warps}-s{stages}-p{pps}",
+                                 kern.PREFILTER_DOT, cfg, keep))  # fmt: skip
+    for name, mode, cfg, keep in variants:
         idx.prefilter_mode = mode
         idx.prefilter_config = cfg
         idx.prefilter_keep = keep
-        idx.prefilter_surv = surv
         try:
             g = idx.graph(1, k, prefilter=True)
         except Exception as exc:  # a shape Triton cannot build: say so, go on
@@ -117,7 +96,6 @@ def run_size(n: int, dim: int, k: int, bw: float, checks: int, reps: int) -> dic
         print(rows[-1], flush=True)
     idx.prefilter_config = None
     idx.prefilter_keep = None
-    idx.prefilter_surv = None
     idx.prefilter_mode = kern.PREFILTER_DOT
     print(rows[0], flush=True)
     return {"n": n, "dim": dim, "k": k, "rows": rows}
@@ -131,7 +109,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=500)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
-    bw = _bandwidth()
+    bw = _copy_bandwidth(torch)
     out: dict[str, Any] = {"scenario": "search-gpu-prefilter", "machine": "H200",
                            "date": datetime.date.today().isoformat(),
                            "gpu": torch.cuda.get_device_name(),

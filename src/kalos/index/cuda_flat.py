@@ -133,7 +133,6 @@ class CudaFlatIndex:
         self.prefilter_config: Any = None  # the same for the int8 prefilter's scan
         self.prefilter_mode = kernels.PREFILTER_DOT  # or PREFILTER_FMA (experiments)
         self.prefilter_keep: int | None = None  # rows kept for the re-rank (experiments)
-        self.prefilter_surv: int | None = None  # its survivors' room (experiments)
         # prefiltered graphs take the int8 scan from this many live rows on (below it the
         # full scan is as fast: kernels.PREFILTER_MIN_ROWS)
         self.prefilter_min_rows = kernels.PREFILTER_MIN_ROWS
@@ -493,15 +492,12 @@ class CudaFlatIndex:
         dev = self.device
         kk = self._keep(k) if prefilter else k  # rows kept by the scan
         kp = kern.key_width(kk)
-        surv = kern.survivors_width(kk)
-        if prefilter and self.prefilter_surv:
-            surv = max(kp, kern.next_pow2(self.prefilter_surv))
         none = kern.KEY_NONE
         ws: dict[str, Any] = {
             "state": (
                 torch.full((nq,), none, dtype=torch.int64, device=dev),  # thr
                 torch.full((nq, kp), none, dtype=torch.int64, device=dev),  # slots
-                torch.empty((nq, surv), dtype=torch.int64, device=dev),
+                torch.empty((nq, kern.survivors_width(kk)), dtype=torch.int64, device=dev),
             ),
             "ticket": torch.zeros(1, dtype=torch.int32, device=dev),  # the fused scan's
         }
@@ -544,28 +540,15 @@ class CudaFlatIndex:
         torch = self._torch
         kern = self._k
         nq = q.shape[0]
-        if ws.get("prefilter"):
-            kern.scan_topk(
-                self._vecs,
-                self._sq,
-                self._scopes,
-                filt,
-                q,
-                self._n_dev,
-                ws["state"],
-                ws["cand"],
-                k=k,
-                metric=self._metric_code,
-                scoped=scoped,
-                programs=ws["programs"],
-                cfg=ws["cfg"],
-                final=(ws["ticket"], self._ids, scores, ids),
-                prefilter=(self._codes, self._meta, status, self.prefilter_mode, self._keep(k)),
-            )
-            return
-        if "cand" in ws and self._fast(nq, k):
+        if "cand" in ws and (ws.get("prefilter") or self._fast(nq, k)):
             p = ws["programs"]
-            cand = ws["cand"].view(-1)[: nq * p * kern.key_width(k)].view(nq, p, -1)
+            prefilter = None
+            if ws.get("prefilter"):  # one query: its workspace's candidates as they are
+                cand = ws["cand"]
+                keep = self._keep(k)
+                prefilter = (self._codes, self._meta, status, self.prefilter_mode, keep)
+            else:
+                cand = ws["cand"].view(-1)[: nq * p * kern.key_width(k)].view(nq, p, -1)
             fused = kern.scan_topk(
                 self._vecs,
                 self._sq,
@@ -581,6 +564,7 @@ class CudaFlatIndex:
                 programs=p,
                 cfg=ws["cfg"],
                 final=(ws["ticket"], self._ids, scores, ids),
+                prefilter=prefilter,
             )
             if fused:
                 return
