@@ -57,20 +57,24 @@ def run_size(n: int, dim: int, k: int, bw: float, checks: int, reps: int) -> dic
         want.append(full.ids.clone())
     want_ids = torch.cat(want).cpu().numpy()
 
-    variants: list[tuple[str, int, Any, int | None]] = [
-        ("default-dot", kern.PREFILTER_DOT, None, None),
+    variants: list[tuple[str, int, Any, int | None, int | None]] = [
+        ("default-dot", kern.PREFILTER_DOT, None, None, None),
+        ("default-dot-lists16", kern.PREFILTER_DOT, None, None, 16),
     ]
     if n == 1_000_000 and dim == 128:
-        for keep in (16, 32, 64):
-            for bn, warps, stages, pps in ((256, 4, 3, 2), (512, 8, 2, 1)):
+        # lists of 16 a program, the rows kept (and the bound's rank) 32 or 64
+        for keep, lists in ((32, None), (32, 16), (64, 16), (32, 8), (16, None)):
+            for bn, warps, stages, pps in ((256, 4, 3, 2), (512, 8, 2, 1), (128, 4, 3, 2)):
                 cfg = kern.ScanConfig(block_n=bn, num_warps=warps, num_stages=stages,
                                       use_dot=True, programs_per_sm=pps)  # fmt: skip
-                variants.append((f"dot-keep{keep}-bn{bn}-w{warps}-s{stages}-p{pps}",
-                                 kern.PREFILTER_DOT, cfg, keep))  # fmt: skip
-    for name, mode, cfg, keep in variants:
+                variants.append(
+                    (f"dot-keep{keep}-lists{lists}-bn{bn}-w{warps}-s{stages}-p{pps}",
+                     kern.PREFILTER_DOT, cfg, keep, lists))  # fmt: skip
+    for name, mode, cfg, keep, lists in variants:
         idx.prefilter_mode = mode
         idx.prefilter_config = cfg
         idx.prefilter_keep = keep
+        idx.prefilter_lists = lists
         try:
             g = idx.graph(1, k, prefilter=True)
         except Exception as exc:  # a shape Triton cannot build: say so, go on
@@ -92,10 +96,12 @@ def run_size(n: int, dim: int, k: int, bw: float, checks: int, reps: int) -> dic
         rows.append(_row(name, t, floor, fallbacks=g.fallbacks, checks=checks,
                          differ_from_full=differ, config=repr(cfg_used), keep=idx._keep(k),
                          programs=g._ws[1]["programs"],
-                         surv=g._ws[1]["state"][2].shape[1]))  # fmt: skip
+                         surv=g._ws[1]["state"][2].shape[1],
+                         lists=g._ws[1]["cand"].shape[2]))  # fmt: skip
         print(rows[-1], flush=True)
     idx.prefilter_config = None
     idx.prefilter_keep = None
+    idx.prefilter_lists = None
     idx.prefilter_mode = kern.PREFILTER_DOT
     print(rows[0], flush=True)
     return {"n": n, "dim": dim, "k": k, "rows": rows}

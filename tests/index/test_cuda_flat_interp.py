@@ -626,3 +626,23 @@ def test_reference_helper_sanity():
     q = rng.standard_normal((1, 16)).astype(np.float32)
     ref = ref_scores("ip", "fp16", x, q)
     assert ref.shape == (1, 50)
+
+
+@pytest.mark.parametrize("lists", [16, 8, 2])
+def test_prefilter_with_lists_shorter_than_the_rows_kept(lists):
+    # lists of `lists` rows a program, 32 rows kept: the proof must also clear the rows
+    # pushed off a program's list; the top rows crowded into one program's tiles test that
+    rng = np.random.default_rng(40 + lists)
+    dim, n = 64, 900
+    idx = make_index("ip", "fp16", dim, "cpu")
+    idx.prefilter_lists = lists
+    x = rng.standard_normal((n, dim)).astype(np.float32)
+    q = rng.standard_normal((1, dim)).astype(np.float32)
+    x[:40] = (3 + 0.05 * np.arange(40))[:, None] * q / np.linalg.norm(q)  # one tile's worth
+    x[:40] += 0.01 * rng.standard_normal((40, dim)).astype(np.float32)
+    ids = rng.permutation(n).astype(np.int64) + 1
+    idx.add(x, ids)
+    g = check_graph_search(idx, x, ids, None, np.concatenate([q, x[500:502]]), 10)
+    assert g._ws[1]["cand"].shape[2] == lists
+    if lists == 16:
+        assert g.fallbacks == 0  # random rows elsewhere: proven

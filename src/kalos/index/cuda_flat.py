@@ -133,6 +133,8 @@ class CudaFlatIndex:
         self.prefilter_config: Any = None  # the same for the int8 prefilter's scan
         self.prefilter_mode = kernels.PREFILTER_DOT  # or PREFILTER_FMA (experiments)
         self.prefilter_keep: int | None = None  # rows kept for the re-rank (experiments)
+        # its programs' list length, when shorter than the rows kept (experiments)
+        self.prefilter_lists: int | None = None
         # prefiltered graphs take the int8 scan from this many live rows on (below it the
         # full scan is as fast: kernels.PREFILTER_MIN_ROWS)
         self.prefilter_min_rows = kernels.PREFILTER_MIN_ROWS
@@ -507,7 +509,8 @@ class CudaFlatIndex:
             )
             p = self._programs(cfg, kk)
             ws.update(cfg=cfg, programs=p, prefilter=True)
-            ws["cand"] = torch.empty((nq, p, kp), dtype=torch.int64, device=dev)
+            lists = kern.key_width(min(self.prefilter_lists or kk, kk))
+            ws["cand"] = torch.empty((nq, p, lists), dtype=torch.int64, device=dev)
         elif self._fast(nq, k):
             cfg = self._config(nq, k)
             p = self._programs(cfg, k)
@@ -545,8 +548,8 @@ class CudaFlatIndex:
             prefilter = None
             if ws.get("prefilter"):  # one query: its workspace's candidates as they are
                 cand = ws["cand"]
-                keep = self._keep(k)
-                prefilter = (self._codes, self._meta, status, self.prefilter_mode, keep)
+                keep, lists = self._keep(k), cand.shape[2]
+                prefilter = (self._codes, self._meta, status, self.prefilter_mode, keep, lists)
             else:
                 cand = ws["cand"].view(-1)[: nq * p * kern.key_width(k)].view(nq, p, -1)
             fused = kern.scan_topk(

@@ -337,6 +337,7 @@ def _scan_topk_kernel(
     nq,
     k,  # the rows kept per query: the final k, or the prefilter's candidates (CODES)
     kf,  # the final k (CODES)
+    kg,  # groups of the group-best bound (its rank): k, unless the lists are shorter
     cap,
     stride_q,
     stride_os,
@@ -360,6 +361,9 @@ def _scan_topk_kernel(
     CHUNK: tl.constexpr,
     CODES: tl.constexpr,  # 0: score the stored rows; 1, 2: the int8 prefilter (_tile_upper)
     KPF: tl.constexpr,  # key_width(kf) (CODES)
+    KPC: tl.constexpr,  # rows the last program selects: key_width(k) (KP unless CODES)
+    GW: tl.constexpr,  # the slots' width: key_width(kg)
+    USE_THR: tl.constexpr,  # the lists' k-th key as a bound too (lists of >= k rows)
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -390,9 +394,10 @@ def _scan_topk_kernel(
     qs = tl.arange(0, BQS)
     qs_ok = qs < nq
     kk = tl.arange(0, KP)
-    slots = slot_ptr + qs[:, None] * KP + kk[None, :]  # [BQS, KP]
-    slots_ok = qs_ok[:, None] & (kk[None, :] < k)
-    my_slot = slot_ptr + qs * KP + pid % k  # [BQS]
+    gg = tl.arange(0, GW)
+    slots = slot_ptr + qs[:, None] * GW + gg[None, :]  # [BQS, GW]
+    slots_ok = qs_ok[:, None] & (gg[None, :] < kg)
+    my_slot = slot_ptr + qs * GW + pid % kg  # [BQS]
 
     run = tl.full([BQS, KP], _KEY_NONE, tl.int64)
     for t in tl.range(pid, n_tiles, P, num_stages=NUM_STAGES):
@@ -432,7 +437,10 @@ def _scan_topk_kernel(
             # program, and the least of the k group bests (k distinct rows). Threads may read
             # different values (module doc): each decides with its own, and the program merges
             # the tile if any of them says so, which keeps the branch uniform.
-            thr = tl.load(thr_ptr + qs, mask=qs_ok, other=_KEY_NONE, volatile=True)
+            if USE_THR:
+                thr = tl.load(thr_ptr + qs, mask=qs_ok, other=_KEY_NONE, volatile=True)
+            else:  # lists shorter than the bound's rank: the group bests alone
+                thr = tl.full([BQS], _KEY_NONE, tl.int64)
             best = tl.load(slots, mask=slots_ok, other=_KEY_MAX, volatile=True)
             bound = tl.maximum(thr, tl.min(best, axis=1))
             hit = tl.max((tmax > bound).to(tl.int32), axis=0)
@@ -443,8 +451,9 @@ def _scan_topk_kernel(
         if hit > 0:
             run = _merge_desc(run, _topk_desc(keys, KP))
             if SKIP:
-                kth = tl.max(tl.where(kk[None, :] == k - 1, run, _KEY_NONE), axis=1)  # [BQS]
-                tl.atomic_max(thr_ptr + qs, kth, mask=qs_ok, sem="relaxed")
+                if USE_THR:
+                    kth = tl.max(tl.where(kk[None, :] == k - 1, run, _KEY_NONE), axis=1)
+                    tl.atomic_max(thr_ptr + qs, kth, mask=qs_ok, sem="relaxed")
                 top1 = tl.max(run, axis=1)
                 tl.atomic_max(my_slot, top1, mask=qs_ok, sem="relaxed")
 
@@ -459,11 +468,20 @@ def _scan_topk_kernel(
         ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
         if ticket == P - 1:
             if CODES != 0:
-                key = _select_top(
-                    pid * 0, cand_ptr, thr_ptr, slot_ptr, surv_ptr, P * KP, k, KP, SURV, CHUNK,
-                    True, True,
+                key, bound = _select_top(
+                    pid * 0, cand_ptr, thr_ptr, slot_ptr, surv_ptr, P * KP, kg, GW, KPC, SURV,
+                    CHUNK, True, True,
                 )  # fmt: skip
-                top = _rerank(db_ptr, sq_ptr, status_ptr, key, qv, kf, D, BLOCK_D, KPF, METRIC)
+                if KPC > KP:
+                    # lists shorter than the rows kept: a row left out may also have been
+                    # pushed off its program's list (below that list's last key) or skipped
+                    # (below the bound): the proof must clear those too
+                    floor = tl.maximum(bound, _lists_last(cand_ptr, P * KP, KP, CHUNK))
+                else:
+                    floor = bound * 0 + _KEY_NONE
+                top = _rerank(
+                    db_ptr, sq_ptr, status_ptr, key, floor, qv, kf, D, BLOCK_D, KPF, METRIC
+                )
                 _write_top(
                     pid * 0, top, ids_ptr, q_ptr, scores_ptr, out_ids_ptr, kf, stride_q,
                     stride_os, stride_oi, D, BLOCK_D, KPF, METRIC,
@@ -478,11 +496,24 @@ def _scan_topk_kernel(
 
 
 @triton.jit
+def _lists_last(cand_ptr, NCAND, KP: tl.constexpr, CHUNK: tl.constexpr):
+    # the largest last key over the programs' sorted lists (cand [P, KP], this launch's)
+    offs = tl.arange(0, CHUNK)
+    last = tl.full([CHUNK], _KEY_NONE, tl.int64)
+    for c0 in range(0, NCAND, CHUNK):
+        m = (c0 + offs < NCAND) & ((c0 + offs) % KP == KP - 1)
+        c = tl.load(cand_ptr + c0 + offs, mask=m, other=_KEY_NONE, volatile=True)
+        last = tl.maximum(last, c)
+    return tl.max(last, axis=0)
+
+
+@triton.jit
 def _rerank(
     db_ptr,
     sq_ptr,
     status_ptr,
     key,
+    floor,
     qv,
     kf,
     D: tl.constexpr,
@@ -493,8 +524,8 @@ def _rerank(
     # key: [KPC] the prefilter's candidates, sorted descending by their score's upper bound
     # -> [KPF] the top-kf of their exact scores (as _tile_scores computes them), sorted.
     # Writes status 1 when that is provably the exact top-kf of every row: each row left out
-    # has an upper bound <= the least kept one's, and that is below the kf-th exact score
-    # (or fewer than KPC rows passed the filter at all, so none was left out).
+    # has an upper bound <= max(the least kept one's, floor), and that is below the kf-th
+    # exact score (or fewer than KPC rows passed the filter at all, so none was left out).
     ok = key != _KEY_NONE
     _, row = _scores_from_keys(key)
     row = tl.where(ok, row, 0)
@@ -509,7 +540,7 @@ def _rerank(
         e = 2.0 * e - tl.load(sq_ptr + row, mask=ok, other=0.0)
     ekeys = _keys_from_scores(e[None, :], row[None, :], ok[None, :])
     top = tl.reshape(_topk_desc(ekeys, KPF), [KPF])
-    least = tl.min(key, axis=0)  # KEY_NONE when fewer rows than KPC were candidates
+    least = tl.maximum(tl.min(key, axis=0), floor)  # min: KEY_NONE when fewer than KPC
     kth = tl.max(tl.where(tl.arange(0, KPF) == kf - 1, top, _KEY_NONE), axis=0)
     least_s, _ = _scores_from_keys(least)
     kth_s, _ = _scores_from_keys(kth)
@@ -544,9 +575,10 @@ def _final_topk(
     FRESH: tl.constexpr,
 ):
     # The final top-k of query qid from its candidates (see merge_topk), decoded and written.
-    key = _select_top(
-        qid, cand_ptr, thr_ptr, slot_ptr, surv_ptr, NCAND, k, KP, SURV, CHUNK, SELECT, FRESH
-    )
+    key, _ = _select_top(
+        qid, cand_ptr, thr_ptr, slot_ptr, surv_ptr, NCAND, k, KP, KP, SURV, CHUNK, SELECT,
+        FRESH,
+    )  # fmt: skip
     _write_top(
         qid, key, ids_ptr, q_ptr, scores_ptr, out_ids_ptr, k, stride_q, stride_os, stride_oi,
         D, BLOCK_D, KP, METRIC,
@@ -561,14 +593,17 @@ def _select_top(
     slot_ptr,
     surv_ptr,
     NCAND,
-    k,
+    kg,
+    GW: tl.constexpr,
     KP: tl.constexpr,
     SURV: tl.constexpr,
     CHUNK: tl.constexpr,
     SELECT: tl.constexpr,
     FRESH: tl.constexpr,
 ):
-    # -> [KP] the top-KP keys of query qid's candidates, sorted descending (KEY_NONE padded).
+    # -> ([KP] the top-KP keys of query qid's candidates, sorted descending, KEY_NONE padded;
+    # the final bound, every key skipped or not a survivor at most it). kg: the group bests
+    # in the state's slots (width GW).
     # FRESH: the state and candidates were written by other programs of this same launch
     # (the fused scan's last program): read them past this multiprocessor's L1 (volatile).
     kk = tl.arange(0, KP)
@@ -577,7 +612,8 @@ def _select_top(
         # The scan has finished: nothing writes thr or the group bests while this runs, so
         # every thread reads the same bound, and it is at most the true k-th key.
         thr = tl.load(thr_ptr + qid, volatile=FRESH)
-        best = tl.load(slot_ptr + qid * KP + kk, mask=kk < k, other=_KEY_MAX, volatile=FRESH)
+        gg = tl.arange(0, GW)
+        best = tl.load(slot_ptr + qid * GW + gg, mask=gg < kg, other=_KEY_MAX, volatile=FRESH)
         bound = tl.maximum(thr, tl.min(best, axis=0))
         # Survivors: the candidates >= bound (every true top-k key is one), compacted into
         # surv by a prefix sum over the candidates (no atomics, no order assumed).
@@ -608,10 +644,11 @@ def _select_top(
         key = tl.reshape(top, [KP])
         # reset the search state for the next search (a captured graph needs no reset node)
         tl.store(thr_ptr + qid, _KEY_NONE)
-        tl.store(slot_ptr + qid * KP + kk, tl.full([KP], _KEY_NONE, tl.int64))
+        tl.store(slot_ptr + qid * GW + gg, tl.full([GW], _KEY_NONE, tl.int64))
     else:
         key = tl.load(base + kk, mask=kk < NCAND, other=_KEY_NONE)
-    return key
+        bound = qid.to(tl.int64) * 0 + _KEY_NONE
+    return key, bound
 
 
 @triton.jit
@@ -996,7 +1033,8 @@ def scan_topk(
     them (and resets the state and the ticket). Returns whether it did; if not, the caller
     runs merge_topk.
 
-    prefilter: (codes [cap, D] int8, meta [3, cap] fp32, status [1] int32, mode 1 | 2, keep) to
+    prefilter: (codes [cap, D] int8, meta [3, cap] fp32, status [1] int32, mode 1 | 2, keep,
+    lists: None, or the programs' list length when shorter than keep) to
     scan the int8 codes instead (see :func:`prefilter_meta`; mode 2 scores them with an int8
     dot, 1 with FMAs): the scan keeps the ``keep`` (> k) rows of highest score bound,
     the last program re-scores them from ``db`` and writes their exact top-k, and ``status``
@@ -1008,11 +1046,13 @@ def scan_topk(
     if prefilter is not None:
         if final is None or nq != 1 or not cfg.fused:
             raise ValueError("the int8 prefilter runs fused, for one query")
-        codes, meta, status, codes_mode, k = prefilter
+        codes, meta, status, codes_mode, k, lists = prefilter
+        kp = key_width(lists or k)  # the programs' lists (shorter than k: see _rerank)
     else:
         codes = meta = status = db
         codes_mode = 0
-    kp = key_width(k)
+        kp = key_width(k)
+    kpc = key_width(k)
     bn = max(cfg.block_n, kp)
     use_dot = cfg.use_dot or nq > 1
     prec = "ieee" if db.dtype.itemsize == 4 else "tf32"
@@ -1048,6 +1088,7 @@ def scan_topk(
         nq,
         k,
         kf,
+        k,
         db.shape[0],
         q.stride(0),
         stride_os,
@@ -1071,6 +1112,9 @@ def scan_topk(
         CHUNK=min(FUSED_CHUNK, merge_chunk(ncand, k)),
         CODES=codes_mode,
         KPF=key_width(kf),
+        KPC=kpc,
+        GW=kpc,
+        USE_THR=kp >= kpc,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
