@@ -57,19 +57,20 @@ def run_size(n: int, dim: int, k: int, bw: float, checks: int, reps: int) -> dic
         want.append(full.ids.clone())
     want_ids = torch.cat(want).cpu().numpy()
 
+    # the default (lists of kernels.prefilter_lists, 4 warps) against other lists and 8
+    # warps; the launch-shape grid at 1M x 128 ran in sweeps 1-4 (bench/NOTES-gpu.md)
+    base = kern.choose_prefilter_config(dim, True)
+    w8 = kern.ScanConfig(block_n=base.block_n, num_warps=8, num_stages=base.num_stages,
+                         use_dot=True, programs_per_sm=base.programs_per_sm)  # fmt: skip
+    keep = kern.prefilter_candidates(k)
     variants: list[tuple[str, int, Any, int | None, int | None]] = [
         ("default-dot", kern.PREFILTER_DOT, None, None, None),
-        ("default-dot-lists16", kern.PREFILTER_DOT, None, None, 16),
+        ("default-dot-w8", kern.PREFILTER_DOT, w8, None, None),
+        ("dot-lists4", kern.PREFILTER_DOT, None, None, 4),
+        ("dot-lists16", kern.PREFILTER_DOT, None, None, 16),
+        (f"dot-lists{keep}", kern.PREFILTER_DOT, None, None, keep),
+        (f"dot-lists{keep}-w8", kern.PREFILTER_DOT, w8, None, keep),
     ]
-    if n == 1_000_000 and dim == 128:
-        # lists of 16 a program, the rows kept (and the bound's rank) 32 or 64
-        for keep, lists in ((32, None), (32, 16), (64, 16), (32, 8), (16, None)):
-            for bn, warps, stages, pps in ((256, 4, 3, 2), (512, 8, 2, 1), (128, 4, 3, 2)):
-                cfg = kern.ScanConfig(block_n=bn, num_warps=warps, num_stages=stages,
-                                      use_dot=True, programs_per_sm=pps)  # fmt: skip
-                variants.append(
-                    (f"dot-keep{keep}-lists{lists}-bn{bn}-w{warps}-s{stages}-p{pps}",
-                     kern.PREFILTER_DOT, cfg, keep, lists))  # fmt: skip
     for name, mode, cfg, keep, lists in variants:
         idx.prefilter_mode = mode
         idx.prefilter_config = cfg
@@ -109,10 +110,11 @@ def run_size(n: int, dim: int, k: int, bw: float, checks: int, reps: int) -> dic
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sizes", nargs="+", default=["1000000x128", "10000000x128", "1000000x768"])
+    sizes = ["300000x128", "1000000x64", "1000000x128", "1000000x256", "10000000x128"]
+    ap.add_argument("--sizes", nargs="+", default=sizes)
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--checks", type=int, default=200)
-    ap.add_argument("--reps", type=int, default=500)
+    ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     bw = _copy_bandwidth(torch)

@@ -646,3 +646,25 @@ def test_prefilter_with_lists_shorter_than_the_rows_kept(lists):
     assert g._ws[1]["cand"].shape[2] == lists
     if lists == 16:
         assert g.fallbacks == 0  # random rows elsewhere: proven
+
+
+def test_prefilter_lists_default_shortens_with_a_program_per_kept_row():
+    # the default list length: all the rows kept with few programs (the CPU's), a quarter of
+    # them (8 for keep 32) once there is a program per kept row, as on a GPU from ~100K rows
+    from kalos.index.kernels import scan_topk as kern
+
+    assert [kern.prefilter_lists(32, p) for p in (4, 31, 32, 264)] == [32, 32, 8, 8]
+    assert kern.prefilter_lists(64, 264) == 16
+    rng = np.random.default_rng(77)
+    dim, n = 64, 1100
+    idx = make_index("ip", "fp16", dim, "cpu")
+    idx.prefilter_config = kern.ScanConfig(
+        block_n=16, num_warps=4, num_stages=1, use_dot=True, programs_per_sm=64
+    )
+    x = rng.standard_normal((n, dim)).astype(np.float32)
+    ids = rng.permutation(n).astype(np.int64) + 1
+    idx.add(x, ids)
+    q = rng.standard_normal((2, dim)).astype(np.float32)
+    g = check_graph_search(idx, x, ids, None, q, 10)
+    assert g._ws[1]["programs"] == 64 and g._ws[1]["cand"].shape[2] == 8
+    assert g.fallbacks == 0  # random rows: proven with lists of 8

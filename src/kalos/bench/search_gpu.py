@@ -108,7 +108,8 @@ def _run_size(args: argparse.Namespace, torch: Any, n: int, dim: int, bw: float)
     _event_times(torch, kernel, 50)
     t_kernel = _event_times(torch, graph.replay, args.queries)
     rows.append(summarize("kalos-kernel", t_kernel))
-    # The int8 prefilter's graph, where the sidecar takes it (>= 4M rows): its replay alone
+    # The int8 prefilter's graph, where the sidecar takes it (index.prefilter_min_rows, 1M
+    # rows): its replay alone
     # (the proof's check and any fallback happen on the host, after it)
     pre_floor_us = n * (dim + 12) / bw * 1e6
     if index.prefilter_ok(1, k) and n >= index.prefilter_min_rows:
@@ -206,6 +207,7 @@ def _run_size(args: argparse.Namespace, torch: Any, n: int, dim: int, bw: float)
         "e2e_gpu_p99_us": by["kalos-shm-gpu"]["p99_us"],
         "kernel_p50_us": by["kalos-kernel"]["p50_us"],
         "kernel_over_floor": round(by["kalos-kernel"]["p50_us"] / floor_us, 3),
+        "prefilter_kernel_p50_us": by.get("kalos-kernel-prefilter", {}).get("p50_us"),
         "prefilter_kernel_over_its_floor": (
             round(by["kalos-kernel-prefilter"]["p50_us"] / pre_floor_us, 3)
             if "kalos-kernel-prefilter" in by

@@ -133,7 +133,7 @@ class CudaFlatIndex:
         self.prefilter_config: Any = None  # the same for the int8 prefilter's scan
         self.prefilter_mode = kernels.PREFILTER_DOT  # or PREFILTER_FMA (experiments)
         self.prefilter_keep: int | None = None  # rows kept for the re-rank (experiments)
-        # its programs' list length, when shorter than the rows kept (experiments)
+        # its programs' list length (None: kernels.prefilter_lists)
         self.prefilter_lists: int | None = None
         # prefiltered graphs take the int8 scan from this many live rows on (below it the
         # full scan is as fast: kernels.PREFILTER_MIN_ROWS)
@@ -509,7 +509,7 @@ class CudaFlatIndex:
             )
             p = self._programs(cfg, kk)
             ws.update(cfg=cfg, programs=p, prefilter=True)
-            lists = kern.key_width(min(self.prefilter_lists or kk, kk))
+            lists = kern.key_width(min(self.prefilter_lists or kern.prefilter_lists(kk, p), kk))
             ws["cand"] = torch.empty((nq, p, lists), dtype=torch.int64, device=dev)
         elif self._fast(nq, k):
             cfg = self._config(nq, k)

@@ -903,7 +903,7 @@ PREFILTER_MIN_DIM = 32  # an int8 dot operand needs K >= 32
 # at 10M x 128 the kernel took 441 µs against the full scan's 608; at 1M x 128, 75.7 against
 # 74.9 (keeping 32 candidates costs as much as the bytes it saves); at 1M x 768, 437 against
 # 377, with one search in five not proven (the bound grows with the dimension).
-PREFILTER_MIN_ROWS = 4_000_000
+PREFILTER_MIN_ROWS = 1_000_000
 PREFILTER_MAX_DIM = 256
 # Relative slack of the bound: the fp32 rounding of the prefilter's dot product and of the
 # exact score's (each at most ~D * 2^-24 of |q| |x| for D <= 2048), with room to spare.
@@ -915,6 +915,16 @@ PREFILTER_FMA = 1  # the codes upcast against the fp32 query
 def prefilter_candidates(k: int) -> int:
     """Rows kept for the exact re-rank: a power of two >= 2k and >= 32."""
     return max(32, next_pow2(2 * k))
+
+
+def prefilter_lists(keep: int, programs: int) -> int:
+    """Each program's list of the prefilter's scan: a quarter of the rows kept (8 for k <= 16)
+    once there are at least as many programs as rows kept, else all of them. Shorter lists cut
+    the per-tile work, and the proof covers a row pushed off a list; with a program per kept
+    row, a list of keep/4 overflows only when the best rows crowd into one program. At 1M x 128
+    on the H200 (264 programs), keep 32: lists of 32 74.9 µs, of 16 62.9, of 8 58.4, every
+    search proven (bench/NOTES-gpu.md, sweep 4)."""
+    return max(8, keep // 4) if programs >= keep else keep
 
 
 def prefilter_ok(nq: int, k: int, dim: int) -> bool:
@@ -963,7 +973,7 @@ def choose_prefilter_config(dim: int, on_gpu: bool, mode: int = PREFILTER_DOT) -
     stages = max(1, min(3, (96 * 1024) // (bn * block_d(dim))))
     return ScanConfig(
         block_n=bn,
-        num_warps=8,
+        num_warps=4,  # 1M x 128: 74.9 µs against 88.2 with 8 (sweep 4)
         num_stages=stages,
         use_dot=mode == PREFILTER_DOT,
         programs_per_sm=2,
