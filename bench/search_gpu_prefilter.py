@@ -110,7 +110,7 @@ def run_size(n: int, dim: int, k: int, bw: float, checks: int, reps: int) -> dic
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    sizes = ["300000x128", "1000000x64", "1000000x128", "1000000x256", "10000000x128"]
+    sizes = ["1000000x128", "10000000x128", "300000x128", "1000000x256", "1000000x64"]
     ap.add_argument("--sizes", nargs="+", default=sizes)
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--checks", type=int, default=200)
