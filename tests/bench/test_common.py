@@ -223,6 +223,8 @@ def test_search_gpu_stage_split_names_the_tail() -> None:
 def test_split_cpus_gives_the_servers_the_last_cpu(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 0, 5})
     assert split_cpus("split") == ([0, 3], [5])
+    assert split_cpus("split", 2) == ([0], [3, 5])  # search-gpu's sidecar: two CPUs
+    assert split_cpus("split", 3) is None  # no CPU left for the client
     assert split_cpus("none") is None
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {2})
     assert split_cpus("split") is None  # one CPU: nothing to split

@@ -164,37 +164,39 @@ def print_table(
 # -- CPU affinity --------------------------------------------------------------------------------
 
 
-def add_affinity_argument(p: Any, servers: str = "the sidecar") -> None:
+def add_affinity_argument(p: Any, servers: str = "the sidecar", cpus: str = "last CPU") -> None:
     """The benchmarks' ``--affinity`` option (see :func:`split_cpus`); ``servers`` names what
-    runs on the last CPU, for the help text."""
+    runs on this process's ``cpus``, for the help text."""
     p.add_argument("--affinity", choices=("split", "none"), default="split",
-                   help=f"split: {servers} on this process's last CPU, the calling threads on "
+                   help=f"split: {servers} on this process's {cpus}, the calling threads on "
                    "the others (client and server never share a core); none: wherever the "
                    "scheduler puts them")  # fmt: skip
 
 
-def split_cpus(mode: str) -> tuple[list[int], list[int]] | None:
+def split_cpus(mode: str, server_cpus: int = 1) -> tuple[list[int], list[int]] | None:
     """``(client CPUs, server CPUs)`` for ``--affinity`` ``mode``: "split" gives the servers
-    (the sidecar's process, and a baseline's server beside it) the last CPU this process may
-    use and the benchmark's own threads the others, so that a client and its server never
-    share a core (a spinning client and a spinning sidecar on one core wait out each other's
-    spins: ~280 µs a call); None for "none", or with fewer than 2 CPUs."""
+    (the sidecar's process, and a baseline's server beside it) the last ``server_cpus`` CPUs
+    this process may use and the benchmark's own threads the others, so that a client and its
+    server never share a core (a spinning client and a spinning sidecar on one core wait out
+    each other's spins: ~280 µs a call); None for "none", or without a CPU left for each."""
     if mode == "none":
         return None
     if mode != "split":
         raise ValueError(f"affinity must be 'split' or 'none', not {mode!r}")
     cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
+    if len(cpus) <= server_cpus:
         return None
-    return cpus[:-1], cpus[-1:]
+    return cpus[:-server_cpus], cpus[-server_cpus:]
 
 
 @contextlib.contextmanager
-def cpu_split(mode: str, servers: dict[str, int]) -> Iterator[dict[str, list[int]] | str]:
+def cpu_split(
+    mode: str, servers: dict[str, int], n_server_cpus: int = 1
+) -> Iterator[dict[str, list[int]] | str]:
     """Pins the ``servers`` (name → pid) and this process as :func:`split_cpus` says, for the
     ``with`` block; yields what was pinned where, for the result file ("none": nothing). This
     process's threads get their CPUs back at the end."""
-    split = split_cpus(mode)
+    split = split_cpus(mode, n_server_cpus)
     if split is None:
         yield "none"
         return
