@@ -78,7 +78,7 @@ def check_graph_search(idx, x, ids, scopes, q, k, scope=None, prefilter=True):
     """The same check through a single-query search graph (``prefilter``: the int8 scan
     first, as the sidecar's graphs), run with replay_and_wait; returns the graph."""
     q = np.atleast_2d(np.asarray(q, dtype=np.float32))
-    idx.prefilter_min_rows = 0  # at any size (it pays only from ~4M rows on)
+    idx.prefilter_min_rows = 0  # at any size (it pays from ~1M rows on)
     g = idx.graph(1, k, scope_active=scope is not None, prefilter=prefilter)
     for i in range(len(q)):
         g.query.copy_(torch.from_numpy(q[i : i + 1]))
