@@ -6,6 +6,9 @@ For each size (100K, 1M, 10M x 128 and 1M x 768, fp16, batch 1) in one run:
 - ``kalos-shm-gpu``: ``search_gpu`` with a numpy query, results handed over on the GPU;
 - ``kalos-shm-gpu-query``: ``search_gpu`` with a torch CUDA query that never leaves the GPU;
 - ``kalos-kernel``: the fused scan + top-k alone, a graph replay timed with CUDA events;
+  ``kalos-kernel-prefilter``: the int8 prefilter's graph, where the sidecar takes it;
+- ``kalos-inprocess``: the sidecar's search path without the protocol (``GpuSearch.search``
+  in this process: staging, graph launch and sync, the proof's check), host clocks;
 - ``torch-inprocess`` / ``torch-inprocess-graph``: ``torch.topk(q @ db.T)`` in this process;
 - ``bandwidth-floor``: the index's bytes over the copy bandwidth measured in this run.
 
@@ -90,6 +93,7 @@ def _host_times(fn: Any, n: int) -> tuple[np.ndarray, float]:
 
 def _run_size(args: argparse.Namespace, torch: Any, n: int, dim: int, bw: float) -> dict:
     from kalos.index.cuda_flat import CudaFlatIndex
+    from kalos.server.gpu_search import GpuSearch
 
     k = args.k
     gen = torch.Generator(device="cuda").manual_seed(args.seed + n + dim)
@@ -116,8 +120,7 @@ def _run_size(args: argparse.Namespace, torch: Any, n: int, dim: int, bw: float)
     t_kernel = _event_times(torch, graph.replay, args.queries)
     rows.append(summarize("kalos-kernel", t_kernel))
     # The int8 prefilter's graph, where the sidecar takes it (index.prefilter_min_rows, 1M
-    # rows): its replay alone
-    # (the proof's check and any fallback happen on the host, after it)
+    # rows): its replay alone (the proof's check and any fallback happen on the host, after it)
     pre_floor_us = n * (dim + 12) / bw * 1e6
     if index.prefilter_ok(1, k) and n >= index.prefilter_min_rows:
         pre = index.graph(1, k, prefilter=True)
@@ -128,6 +131,18 @@ def _run_size(args: argparse.Namespace, torch: Any, n: int, dim: int, bw: float)
         row["floor_us"] = round(pre_floor_us, 3)
         rows.append(row)
         del pre
+    # The sidecar's search path without the protocol: GpuSearch.search in this process (the
+    # query staged in pinned memory, the graph launched and waited for through the driver,
+    # the proof's check), host clocks. Its gap to the kernel rows is the launch, the sync and
+    # the Python around them; its gap to kalos-shm's compute stage is the sidecar process's.
+    searcher = GpuSearch(index)
+    for i in range(50):
+        searcher.search(queries[i % len(queries)][None], k, None)
+    row = summarize(
+        "kalos-inprocess",
+        _host_times(lambda i: searcher.search(queries[i][None], k, None), args.queries)[0],
+    )
+    rows.append(row)
 
     # torch.topk(q @ db.T) in this process, eager and as a CUDA graph.
     qs = q_gpu.half()
