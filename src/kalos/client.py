@@ -690,7 +690,7 @@ class Client:
             timings = Timings(0.0, 0.0, 0.0, (_monotonic_ns() - start) / 1e3)
             window = Turns(b"", b"") if turns else None
             return Context(np.empty(0, np.int32), window, timings, False, True)
-        tokens, meta, text, system = M.decode_context_response(resp.body, len(resp.body))
+        tokens, meta, text, system = M.decode_context_response(resp.body, len(resp.body), t.heap)
         if copy:
             tokens = tokens.copy()
         window = None if meta is None or text is None else Turns(meta, text)
