@@ -7,6 +7,7 @@ full heap falls back to copying; a client reconnects to a restarted sidecar's ne
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 from collections.abc import Callable
@@ -75,10 +76,8 @@ def test_context_by_reference_matches_the_copying_path(sidecar: Start) -> None:
             else:
                 who.append_turn(name, "user", f"turn {round_}", ids, rolling=True)
         for name in names[:4]:
-            try:
+            with contextlib.suppress(NotFound):
                 (shm if round_ % 2 else uds).trim(name, int(rng.integers(0, 20)))
-            except NotFound:
-                pass
         by_ref += same_answers(shm, uds, names, rng)
         if round_ == 2:
             shm.delete_session(names[5])

@@ -108,7 +108,8 @@ def test_the_clients_descriptor_is_read_only() -> None:
     heap = TokenHeap(4 * UNIT_BYTES)
     try:
         assert os.fstat(heap.reader_fd()).st_size == 4 * UNIT_BYTES
-        flags = int(open(f"/proc/self/fdinfo/{heap.reader_fd()}").read().split()[3], 8)
+        with open(f"/proc/self/fdinfo/{heap.reader_fd()}") as f:
+            flags = int(f.read().split()[3], 8)
         assert flags & os.O_ACCMODE == os.O_RDONLY
     finally:
         heap.close()
@@ -214,7 +215,7 @@ def test_randomized_no_region_is_handed_out_while_it_may_be_seen(seed: int) -> N
                 continue
             at, view = got
             lo, hi = at, at + len(view)
-            assert 0 <= lo and hi <= size and at % UNIT_TOKENS == 0
+            assert lo >= 0 and hi <= size and at % UNIT_TOKENS == 0
             busy = list(live.items()) + list(views.values())
             busy += [span for h, frozen in holds if h.active for span in frozen]
             for start, n in busy:
@@ -356,3 +357,58 @@ def test_every_way_a_session_goes_gives_its_region_back() -> None:
     again = SessionStore(heap=heap)
     store.clear()
     assert used() == 0 and len(again) == 0
+
+
+class _SlowStore:
+    """Written first by a snapshot: the forked writer reads the sessions only after this."""
+
+    def snapshot(self, db: object, directory: str) -> None:
+        import time
+
+        time.sleep(0.5)
+
+    def restore(self, db: object, directory: str) -> None:
+        pass
+
+
+def test_a_forked_snapshot_writer_sees_the_heap_as_it_was(tmp_path) -> None:
+    """The child's image of the shared heap is not copied on write: what the sidecar frees
+    while it writes must not be reused before it is done (SessionStore.hold)."""
+    import sqlite3
+    import threading
+
+    import kalos.index
+    from kalos.server.dispatch import Dispatcher
+    from kalos.server.durability import Durability, list_snapshots
+    from kalos.stores.memories import MemoryStore
+
+    heap = TokenHeap(16 * UNIT_BYTES)
+    sessions = SessionStore(heap=heap)
+    dispatcher = Dispatcher(MemoryStore(kalos.index.create("cpu:flat", dim=4)), sessions=sessions)
+    durability = Durability(
+        str(tmp_path), dispatcher, threading.Lock(), {"slow": _SlowStore(), "sessions": sessions}
+    )
+    durability.recover()
+    ids = np.arange(1000, dtype=np.int32)
+    sessions.append_turn("a", "user", "x", ids, now=T0)  # a 2,048-id region: half the heap
+    region = sessions.live("a", now=T0).tok_at
+    durability.wal.append(4, 0, np.zeros(8, np.uint8), 0)  # something to snapshot
+    assert durability.snapshot() is not None  # the child sleeps, then reads the sessions
+    sessions.delete("a", now=T0)
+    sessions.append_turn("b", "user", "y", ids + 5000, now=T0)  # a's region is held: private
+    b_at = sessions.live("b", now=T0).tok_at
+    assert durability._finisher is not None
+    durability._finisher.join()
+    sessions.delete("b", now=T0)
+    sessions.append_turn("c", "user", "z", ids, now=T0)  # the hold is gone: a's region again
+    assert sessions.live("c", now=T0).tok_at == region
+    _lsn, path = list_snapshots(str(tmp_path))[-1]
+    again = SessionStore()
+    db = sqlite3.connect(f"{path}/snapshot.db")
+    try:
+        again.restore(db, path)
+    finally:
+        db.close()
+    assert np.array_equal(again.turns("a", now=T0)[0][2], ids)  # not b's ids
+    assert b_at == -1  # b could not have a's region while the child ran
+    durability.close()
