@@ -616,7 +616,7 @@ def decode_append_turn(buf: np.ndarray, end: int, flags: int) -> AppendTurnReque
 _IN_HEAP = int(codes.ContextForm.TOKENS_IN_HEAP)
 _CTX_LENT = struct.Struct("<IIIIQQ")  # the header and the heap offset: 32 bytes
 _pack_lent = _CTX_LENT.pack_into
-_unpack_u64 = _U64.unpack_from
+_unpack_lent = _CTX_LENT.unpack_from
 
 
 _pack_head4 = _HEAD4.pack_into
@@ -767,23 +767,27 @@ _I32 = np.dtype(np.int32)
 def decode_context_response(
     buf: np.ndarray, end: int, heap: np.ndarray | None = None
 ) -> ContextResponse:
-    """``heap``: the channel's read-only mapping of the token heap (uint8), when it has one:
-    ids by reference become a view of it."""
-    if end < 16:
-        _need(16, end)
-    nm, nt, has_system, form = _unpack_head4(buf, 0)
+    """``heap``: the channel's read-only mapping of the token heap as int32, when it has
+    one: ids by reference become a slice of it (a view: ~0.1 µs, a third of frombuffer's)."""
+    if end >= 32:  # one struct call for the header and, by reference, the ids' offset
+        nm, nt, has_system, form, at, _ = _unpack_lent(buf, 0)
+    else:
+        if end < 16:
+            _need(16, end)
+        nm, nt, has_system, form = _unpack_head4(buf, 0)
+        at = 0
     if form & _IN_HEAP:
         if end < 32:
             _need(32, end)
-        at = _unpack_u64(buf, 16)[0]
-        if heap is None or at & 3 or at + 4 * nt > len(heap):
+        i = at >> 2
+        if heap is None or at & 3 or i + nt > len(heap):
             _bad_heap_ref(at, nt, heap)
-        tokens = _frombuffer(heap, _I32, nt, at)
         if form == _IN_HEAP:  # no turns: the shm fast path
-            return tokens, None, None, has_system != 0
+            return heap[i : i + nt], None, None, False
         _need(32 + 16 * nm, end)
         mv = memoryview(buf)
-        return tokens, bytes(mv[32 : 32 + 16 * nm]), bytes(mv[32 + 16 * nm : end]), False
+        meta = bytes(mv[32 : 32 + 16 * nm])
+        return heap[i : i + nt], meta, bytes(mv[32 + 16 * nm : end]), False
     tok_end = 16 + 4 * nt
     if not form:
         if tok_end > end:
@@ -807,7 +811,7 @@ def _bad_heap_ref(at: int, nt: int, heap: np.ndarray | None) -> NoReturn:
             "a CONTEXT response refers to the token heap, which this channel does not map"
         )
     raise ProtocolMismatch(
-        f"a CONTEXT response refers to {nt} token ids at byte {at} of a {len(heap)}-byte heap"
+        f"a CONTEXT response refers to {nt} token ids at byte {at} of a {4 * len(heap)}-byte heap"
     )
 
 

@@ -54,7 +54,7 @@ _heaps_lock = threading.Lock()
 
 
 def map_token_heap(fd: int, size: int, key: tuple[int, int]) -> np.ndarray:
-    """The token heap of the sidecar ``key`` (pid, epoch), mapped read-only, as uint8.
+    """The token heap of the sidecar ``key`` (pid, epoch), mapped read-only, as int32.
 
     One mapping per sidecar start in this process, shared by its channels (a page a client
     thread touched is mapped for the others too). It lives while a channel or a view of it
@@ -63,10 +63,10 @@ def map_token_heap(fd: int, size: int, key: tuple[int, int]) -> np.ndarray:
     with _heaps_lock:
         ref = _heaps.get(key)
         heap = ref() if ref is not None else None
-        if heap is None or len(heap) != size:
+        if heap is None or 4 * len(heap) != size:
             if os.fstat(fd).st_size < size:
                 raise ConnectError("the sidecar's token heap is smaller than it says")
-            heap = np.frombuffer(mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ), np.uint8)
+            heap = np.frombuffer(mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ), np.int32)
             for k in [k for k, r in _heaps.items() if r() is None]:
                 del _heaps[k]
             _heaps[key] = weakref.ref(heap)
