@@ -6,7 +6,9 @@ prompt, owned by a tenant and a user. Its session id is a string, unique within 
 Each session keeps its turns in four growing buffers, so that a context read does no Python
 work per turn:
 
-* ``tokens``: int32 [capacity], every turn's token ids back to back;
+* ``tokens``: int32 [capacity], every turn's token ids back to back: a region of the token
+  heap (kalos.stores.token_heap: shared memory shm clients read CONTEXT ids from, never
+  rewritten in place) when the store has one with room, else private memory;
 * ``text``: uint8 [capacity], every turn's UTF-8 role then text, back to back;
 * ``meta``: uint32 [capacity, 4], per turn (role bytes, text bytes, tokens, 0);
 * ``tok_cum`` / ``txt_cum``: Python lists of where each turn starts in ``tokens`` / ``text``,
