@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import kalos
+import kalos.transport.handshake
 from conftest import TIMEOUT
 from kalos import Scope
 from kalos.errors import NotFound, SidecarGone
@@ -165,3 +166,15 @@ def test_a_client_maps_the_new_heap_of_a_restarted_sidecar(sidecar: Start, tmp_p
     assert new.tolist() == [7, 8] and not new.flags.writeable
     assert client._channel().heap is not old_heap and client.reconnects == 1
     assert old.tolist() == [1, 2, 3]  # the old heap stays mapped while a view of it lives
+
+
+def test_a_client_of_protocol_1_1_gets_no_heap(
+    sidecar: Start, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sc = sidecar()
+    monkeypatch.setattr(kalos.transport.handshake, "PROTOCOL_VERSION", (1, 1))
+    old = sc.connect(timeout=TIMEOUT)  # it still says token_heap: the sidecar goes by 1.1
+    assert old.info["protocol"] == [1, 1] and "token_heap" not in old.info
+    assert old._channel().heap is None
+    old.append_turn("s", "user", "x", [4, 5])
+    assert old.context("s", 10, turns=False).tokens.tolist() == [4, 5]
