@@ -123,9 +123,10 @@ class Context(NamedTuple):
 
     ``tokens``: int32 [n], every included turn's token ids concatenated, oldest first, the
     pinned system prompt first when it fits. A view into the channel, valid until this
-    thread's next call on the client (or the client's close), unless the call asked for
-    ``copy=True``. Over shm, a window without the system prompt is a read-only view of the
-    sidecar's token heap (``flags.writeable`` False; no copy on either side).
+    thread's next call on the client (or the client's close, or the thread's end: its
+    channel closes), unless the call asked for ``copy=True``. Over shm, a window without the
+    system prompt is a read-only view of the sidecar's token heap (``flags.writeable``
+    False; no copy on either side).
     ``turns``: their (role, text), owned; None when the call asked for ``turns=False``.
     ``system``: whether the system prompt is included (it is then ``turns[0]``).
     ``degraded``: the sidecar was unavailable (``on_unavailable="degrade"``): no turns.
