@@ -304,7 +304,7 @@ def test_protocol_version_mismatch(served: Served, monkeypatch: pytest.MonkeyPat
     with pytest.raises(ProtocolMismatch) as info:
         served.connect()
     assert "99.0" in str(info.value)  # the client's version
-    assert "1.1" in str(info.value)  # and the sidecar's
+    assert "1.2" in str(info.value)  # and the sidecar's
     monkeypatch.undo()
     assert_serving(served)
     served.connect().close()  # the right version still connects
@@ -315,7 +315,7 @@ def test_a_newer_minor_version_is_negotiated_down(
 ) -> None:
     monkeypatch.setattr(kalos.transport.handshake, "PROTOCOL_VERSION", (1, 7))
     client = served.connect()
-    assert client.info["protocol"] == [1, 1]
+    assert client.info["protocol"] == [1, 2]
     client.ping()
     client.close()
 

@@ -32,6 +32,7 @@ def _serve(args: argparse.Namespace) -> int:
         fsync=args.fsync,
         snapshot_bytes=max(1, int(args.snapshot_mb * (1 << 20))),
         tokenizer=args.tokenizer,
+        token_heap_bytes=int(args.token_heap_mb * 1024) * 1024,
         # No --admin-port: the default port if it is free; an explicit one must be.
         admin_port=None
         if args.no_admin
@@ -106,6 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--reserve", type=int, default=0, help="rows to allocate up front (GPU: keeps graphs)"
+    )
+    serve.add_argument(
+        "--token-heap-mb",
+        type=float,
+        default=256.0,
+        help="shared memory for sessions' token ids, mapped read-only by shm clients so that "
+        "a context's ids are not copied (touched pages only); 0: copy them",
     )
     serve.add_argument(
         "--max-channels",

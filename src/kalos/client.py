@@ -123,7 +123,10 @@ class Context(NamedTuple):
 
     ``tokens``: int32 [n], every included turn's token ids concatenated, oldest first, the
     pinned system prompt first when it fits. A view into the channel, valid until this
-    thread's next call on the client, unless the call asked for ``copy=True``.
+    thread's next call on the client (or the client's close, or the thread's end: its
+    channel closes), unless the call asked for ``copy=True``. Over shm, a window without the
+    system prompt is a read-only view of the sidecar's token heap (``flags.writeable``
+    False; no copy on either side).
     ``turns``: their (role, text), owned; None when the call asked for ``turns=False``.
     ``system``: whether the system prompt is included (it is then ``turns[0]``).
     ``degraded``: the sidecar was unavailable (``on_unavailable="degrade"``): no turns.
@@ -665,7 +668,8 @@ class Client:
         The pinned system prompt comes first when it fits (its tokens count against
         ``max_tokens``); ``max_turns`` caps the other turns. The window is a contiguous
         suffix: a turn that does not fit ends it. ``tokens`` is an int32 view into the channel
-        (valid until this thread's next call) unless ``copy=True``. ``turns=False``: only the
+        or, over shm, a read-only one into the sidecar's token heap (valid until this
+        thread's next call) unless ``copy=True``. ``turns=False``: only the
         token ids travel (half the bytes of ~4-byte-per-token text), ``Context.turns`` is
         None. ``scope``: a tenant/user filter; a session outside it is NotFound, as is an
         unknown or expired one.
@@ -690,7 +694,7 @@ class Client:
             timings = Timings(0.0, 0.0, 0.0, (_monotonic_ns() - start) / 1e3)
             window = Turns(b"", b"") if turns else None
             return Context(np.empty(0, np.int32), window, timings, False, True)
-        tokens, meta, text, system = M.decode_context_response(resp.body, len(resp.body))
+        tokens, meta, text, system = M.decode_context_response(resp.body, len(resp.body), t.heap)
         if copy:
             tokens = tokens.copy()
         window = None if meta is None or text is None else Turns(meta, text)

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kalos.errors import InvalidRequest, PayloadTooLarge
+from kalos.errors import InvalidRequest, PayloadTooLarge, ProtocolMismatch
 from kalos.protocol import codes
 from kalos.protocol import messages as M
 from kalos.protocol.codes import AppendFlag, Op
@@ -118,6 +118,32 @@ def test_context_response_without_turns_is_the_token_ids_alone() -> None:
     with pytest.raises(PayloadTooLarge):
         M.encode_context_tokens_response(np.zeros(20, np.uint8), tokens, 1, None)
     assert {f.name: int(f) for f in codes.ContextFlag} == {"TURNS": 1}
+
+
+def test_context_response_by_reference_golden_layout() -> None:
+    """Form TOKENS_IN_HEAP: the ids' byte offset in the token heap replaces the ids."""
+    heap = np.arange(64, dtype=np.int32)  # the client's mapping, as int32
+    tokens = memoryview(np.array([5, 6, 7], np.int32)).cast("B")  # only their length counts
+    buf = np.full(128, 0xEE, np.uint8)
+    assert M.encode_context_tokens_response(buf, tokens, 2, None, heap_at=20) == 32
+    assert buf[:32].tobytes() == struct.pack("<IIIIQQ", 2, 3, 0, 2, 20, 0)
+    got, meta_b, text_b, has_system = M.decode_context_response(buf, 32, heap)
+    assert got.tolist() == [5, 6, 7] and meta_b is None and text_b is None and not has_system
+    assert not np.shares_memory(got, buf) and np.shares_memory(got, heap)
+    meta = struct.pack("<IIII", 1, 1, 3, 0)
+    n = M.encode_context_response(buf, tokens, meta, b"ux", None, heap_at=20)
+    assert buf[:n].tobytes() == struct.pack("<IIIIQQ", 1, 3, 0, 3, 20, 0) + meta + b"ux"
+    got, meta_b, text_b, _ = M.decode_context_response(buf, n, heap)
+    assert got.tolist() == [5, 6, 7] and M.split_turns(meta_b or b"", text_b or b"") == [("u", "x")]
+    with pytest.raises(ProtocolMismatch, match="does not map"):
+        M.decode_context_response(buf, n)  # a channel without the heap
+    for bad_at in (2, 4 * 62):  # misaligned; past the heap's end
+        M.encode_context_tokens_response(buf, tokens, 2, None, heap_at=bad_at)
+        with pytest.raises(ProtocolMismatch, match="heap"):
+            M.decode_context_response(buf, 32, heap)
+    with pytest.raises(InvalidRequest):
+        M.decode_context_response(buf, 24, heap)  # cut short
+    assert {f.name: int(f) for f in codes.ContextForm} == {"TURNS": 1, "TOKENS_IN_HEAP": 2}
 
 
 # -- round trips ------------------------------------------------------------------------------

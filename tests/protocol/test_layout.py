@@ -287,7 +287,7 @@ def test_shared_words_are_8_byte_aligned() -> None:
 
 
 def test_protocol_version_and_limits() -> None:
-    assert codes.PROTOCOL_VERSION == (1, 1)
+    assert codes.PROTOCOL_VERSION == (1, 2)
     assert codes.MAX_K == 1024
 
 
@@ -310,6 +310,10 @@ def test_context_flags() -> None:
     assert {f.name: int(f) for f in codes.ContextFlag} == {"TURNS": 1}
 
 
+def test_context_forms() -> None:
+    assert {f.name: int(f) for f in codes.ContextForm} == {"TURNS": 1, "TOKENS_IN_HEAP": 2}
+
+
 def test_recall_flags() -> None:
     assert {f.name: int(f) for f in codes.RecallFlag} == {"GPU_RESULT": 1}
     assert {f.name: int(f) for f in codes.RecallResponseFlag} == {
@@ -320,7 +324,8 @@ def test_recall_flags() -> None:
 def test_every_code_enum_is_pinned() -> None:
     enums = {n for n, v in vars(codes).items() if isinstance(v, type) and issubclass(v, enum.Enum)}
     assert enums == {
-        "Op", "Status", "AppendFlag", "ContextFlag", "RecallFlag", "RecallResponseFlag",
+        "Op", "Status", "AppendFlag", "ContextFlag", "ContextForm", "RecallFlag",
+        "RecallResponseFlag",
     }  # fmt: skip
 
 

@@ -24,6 +24,8 @@ from kalos.server import SidecarConfig
         {"max_arena_bytes": 1024},
         {"max_arena_bytes": 1 << 30},
         {"compute_threads": 0},
+        {"token_heap_bytes": -1024},
+        {"token_heap_bytes": 1000},  # not a multiple of 1 KiB
     ],
 )
 def test_bad_config_is_refused(kwargs: dict) -> None:
@@ -37,6 +39,8 @@ def test_defaults() -> None:
     assert c.metric == "ip" and c.index_spec == "cpu:flat"
     assert SidecarConfig(name="g", dim=8, device="cuda:1").index_spec == "cuda:1:flat,fp16"
     assert SidecarConfig(name="f", dim=8, index="cpu:faiss-flat").index_spec == "cpu:faiss-flat"
+    assert c.token_heap_bytes == 256 << 20
+    assert SidecarConfig(name="h", dim=8, token_heap_bytes=0).token_heap_bytes == 0  # off
 
 
 def test_peer_allowed() -> None:

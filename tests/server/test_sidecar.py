@@ -236,7 +236,7 @@ def test_control_segment_and_channel_header(sidecar: Start) -> None:
         ctrl = t._ctrl  # type: ignore[attr-defined]
         (magic, layout, major, minor, epoch, pid, state, dim, metric, max_k, zero,
          start_ns) = L.CTRL_HEADER.unpack_from(ctrl.buf, 0)  # fmt: skip
-        assert (magic, layout, major, minor) == (b"KALO", 1, 1, 1)
+        assert (magic, layout, major, minor) == (b"KALO", 1, 1, 2)
         assert epoch == client.info["epoch"] != 0
         assert pid == sc.process.pid
         assert state == L.STATE_READY

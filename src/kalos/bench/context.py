@@ -3,7 +3,9 @@
 1,000 sessions x 50 turns of ~100 tokens (BENCHMARKS.md). Side by side, in one run:
 
 * ``kalos-shm``: ``client.context(session, 4096, turns=False)`` end to end through a sidecar
-  process (shm): the window's token ids, as an int32 view, which is what the model takes.
+  process (shm): the window's token ids, as an int32 view, which is what the model takes (a
+  read-only view of the sidecar's token heap: no copy; ``--token-heap-mb 0``: copied into
+  the channel, as before the heap).
 * ``kalos-shm+turns``: ``client.context(session, 4096)`` and every (role, text) of the window
   decoded: the same output as the Redis module's.
 * ``redis-json``: a Python memory module on a real ``redis-server`` (started here, on a
@@ -74,6 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--redis-server", default=None, help="path of redis-server")
     p.add_argument("--suffix", default=None, help="appended to the result file names")
+    p.add_argument("--token-heap-mb", type=float, default=None,
+                   help="the sidecar's --token-heap-mb (default: its own, 256; 0: copy the "
+                   "token ids into each response, the path before the token heap)")  # fmt: skip
     add_affinity_argument(p, "the sidecar and redis-server")
 
 
@@ -103,7 +108,10 @@ def run(args: argparse.Namespace) -> int:
     budget = args.budget
     levels = list(args.concurrency)
     with contextlib.ExitStack() as stack:
-        sidecar = stack.enter_context(isolated_sidecar(dim=8, name="bench-context"))
+        heap = () if args.token_heap_mb is None else ("--token-heap-mb", str(args.token_heap_mb))
+        sidecar = stack.enter_context(
+            isolated_sidecar(dim=8, name="bench-context", extra_args=heap)
+        )
         r, redis_version = stack.enter_context(redis_server(redis_bin))
         servers = {"sidecar": sidecar.process.pid, "redis": int(r.info("server")["process_id"])}
         affinity = stack.enter_context(cpu_split(args.affinity, servers))
@@ -199,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "redis": f"redis-server {redis_version}, Unix socket, redis-py, JSON list per session",
         "affinity": affinity,
+        "token_heap_mb": args.token_heap_mb,  # None: the sidecar's default (256)
     }
     path = write_result(
         SCENARIO,

@@ -12,7 +12,7 @@ from kalos import errors
 
 # (major, minor). A client and a sidecar talk when their majors are equal; the minor is
 # negotiated down to the smaller of the two. docs/PROTOCOL.md says what a minor may change.
-PROTOCOL_VERSION = (1, 1)  # 1.1: RECALL, ADD with token ids
+PROTOCOL_VERSION = (1, 2)  # 1.1: RECALL, ADD with token ids; 1.2: the token heap
 
 MAX_K = 1024  # largest k a search may ask for
 
@@ -84,6 +84,13 @@ class ContextFlag(enum.IntFlag):
     """CONTEXT request flags."""
 
     TURNS = 1  # each turn's role and text too; without it only the token ids come back
+
+
+class ContextForm(enum.IntFlag):
+    """The fourth word of a CONTEXT response header (before 1.2: has_turns, 0 or 1)."""
+
+    TURNS = 1  # the turns' meta and text follow the token ids
+    TOKENS_IN_HEAP = 2  # the ids are in the token heap: u64 byte offset, u64 0 replace them
 
 
 class RecallFlag(enum.IntFlag):

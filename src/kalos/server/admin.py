@@ -289,7 +289,7 @@ class SidecarCollector:
         yield from self._gpu_families()
 
     def _store_families(self) -> Iterator[Any]:
-        from prometheus_client.core import GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         d = self._sidecar.dispatcher
         # The stores change under the dispatch lock; a scrape waits for it briefly.
@@ -311,6 +311,9 @@ class SidecarCollector:
             ("session_turns", "Turns held in all sessions"),
             ("session_tokens", "Token ids held in all sessions"),
             ("session_bytes", "Bytes held by sessions"),
+            ("token_heap_bytes", "Size of the token heap (shared memory for session ids)"),
+            ("token_heap_used_bytes", "Bytes of the token heap given to sessions"),
+            ("token_heap_quarantined", "Freed token heap regions a channel may still read"),
             ("state_keys", "Agent state keys"),
             ("state_bytes", "Bytes of agent state values"),
             ("events", "Events in all event logs"),
@@ -318,6 +321,12 @@ class SidecarCollector:
             if key in stats:
                 name = "kalos_index_items" if key == "items" else f"kalos_{key}"
                 yield GaugeMetricFamily(name, help_text, value=stats[key])
+        if "token_heap_fallbacks" in stats:
+            yield CounterMetricFamily(
+                "kalos_token_heap_fallbacks",
+                "Session id buffers put in private memory: the token heap had no room",
+                value=stats["token_heap_fallbacks"],
+            )
 
     def _durability_families(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily

@@ -74,6 +74,12 @@ class ServerChannel:
         self.requests = 0
         self.gpu: Any = None  # its GPU result buffer (server.gpu_search), on a cuda sidecar
         self.pinned: Any = None  # its response arena registered for the GPU (PinnedArena)
+        # The token heap (kalos.stores.token_heap): ``reader`` is this channel when its client
+        # maps the heap (CONTEXT may answer by reference), else None; the heap's Reader fields.
+        self.reader: ServerChannel | None = None
+        self.lent_region = -1
+        self.lent_request = 0
+        self.closed = False
 
 
 class Poller:
@@ -233,6 +239,7 @@ class Poller:
                     ch.resp_arena,
                     gpu_buffer=ch.gpu,
                     pinned=ch.pinned,
+                    reader=ch.reader,
                 )
                 lsn = self._journal.last_lsn if self._journal is not None else 0
             if lsn:  # a logged write: answered once its record is durable (_release)

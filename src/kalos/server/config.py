@@ -41,6 +41,9 @@ class SidecarConfig:
     wal_segment_bytes: int = 64 << 20
     # Sessions and state: a tokenizer.json for turns sent without token ids, and size limits.
     tokenizer: str | None = None
+    # The token heap (kalos.stores.token_heap): sessions' token ids in shared memory that shm
+    # clients map read-only, so that CONTEXT answers by reference. 0: no heap, ids are copied.
+    token_heap_bytes: int = 256 << 20
     # Rows to allocate up front (GPU index: adds up to this size never move storage, so
     # captured search graphs stay valid). 0: grow on demand.
     reserve: int = 0
@@ -73,6 +76,8 @@ class SidecarConfig:
         if not L.MIN_ARENA_BYTES <= self.max_arena_bytes <= L.MAX_ARENA_BYTES:
             raise ConfigError("max_arena_bytes out of range")
         FsyncPolicy.parse(self.fsync)  # ConfigError when malformed
+        if self.token_heap_bytes < 0 or self.token_heap_bytes % 1024:
+            raise ConfigError("token_heap_bytes must be 0 or a positive multiple of 1024")
         if self.snapshot_bytes < 1 or self.wal_segment_bytes < 4096:
             raise ConfigError("snapshot_bytes must be positive and wal_segment_bytes >= 4096")
         if self.admin_port is not None and not 0 <= self.admin_port <= 65535:

@@ -105,6 +105,7 @@ class Dispatcher:
         self.requests = [0] * (max(Op) + 1)  # by op code
         self.gpu_buffer: Any = None  # the requesting channel's GPU result buffer (see handle)
         self.pinned: Any = None  # the requesting channel's registered response arena (see handle)
+        self.reader: Any = None  # the requesting channel, when it maps the token heap (handle)
         self.now_ns = 0  # wall-clock time of the request being handled (see handle)
         self.errors = 0
         self._extra_stats = extra_stats
@@ -150,6 +151,7 @@ class Dispatcher:
         now_ns: int | None = None,
         gpu_buffer: Any = None,
         pinned: Any = None,
+        reader: Any = None,
     ) -> tuple[int, int, int, int]:
         """Runs one request. Returns (status, response length, compute ns, write ns).
 
@@ -158,11 +160,14 @@ class Dispatcher:
         ``gpu_buffer``: the requesting channel's GPU result buffer, if it has one.
         ``pinned``: its response arena registered for the GPU (a cuda sidecar's shm channel):
         a search's kernel then writes the results into ``out`` itself.
+        ``reader``: the requesting shm channel when its client maps the token heap
+        (kalos.stores.token_heap): a CONTEXT may then answer with the ids by reference.
         """
         t0 = _monotonic_ns()
         self.now_ns = time.time_ns() if now_ns is None else now_ns
         self.gpu_buffer = gpu_buffer
         self.pinned = pinned
+        self.reader = reader
         fn = self._ops.get(op)
         try:
             if fn is None:
@@ -268,6 +273,23 @@ class Dispatcher:
 
     def _context(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
         session, max_tokens, max_turns, scope = M.decode_context(body, len(body))
+        reader = self.reader
+        if reader is not None:  # a shm channel that maps the token heap
+            tokens, n_turns, meta, text, system, heap_at = self.sessions.context_lent(
+                session,
+                max_tokens,
+                max_turns,
+                reader,
+                turns=bool(flags & _TURNS),
+                now=self.now_ns * 1e-9,
+                scope=scope,
+            )
+            t = _monotonic_ns()
+            if meta is None or text is None:
+                n = M.encode_context_tokens_response(out, tokens, n_turns, system, heap_at)
+            else:
+                n = M.encode_context_response(out, tokens, meta, text, system, heap_at=heap_at)
+            return n, _monotonic_ns() - t
         if flags & _TURNS:
             tokens, meta, text, system = self.sessions.context(
                 session, max_tokens, max_turns, now=self.now_ns * 1e-9, scope=scope

@@ -332,22 +332,32 @@ class Durability:
             # Whatever happens, the next try waits for another snapshot_bytes of log.
             self._snapshot_wal_bytes = self.wal.bytes_written
             child = 0
+            holds: list[Any] = []
             try:
                 os.makedirs(tmp, mode=0o700)
                 if background and self.fork:
+                    # A store in shared memory (the token heap) is not copied on write for the
+                    # child: it keeps what it frees from reuse until the child is done.
+                    holds = [
+                        h
+                        for store in self.stores.values()
+                        if (h := getattr(store, "hold", lambda: None)()) is not None
+                    ]
                     child = self._fork_writer(tmp, lsn)
                 else:
                     self._write_stores(tmp, lsn)
             except Exception:  # e.g. the disk filled up: the log still covers everything
                 log.exception("the snapshot through LSN %d failed; the log still covers it", lsn)
                 shutil.rmtree(tmp, ignore_errors=True)
+                for h in holds:
+                    h.release()
                 return None
         paused = time.perf_counter() - t0
         info: dict[str, Any] = {"lsn": lsn, "pause_s": round(paused, 3), "forked": bool(child)}
         if background:
             self._finisher = threading.Thread(
                 target=self._finish,
-                args=(tmp, lsn, info, t0, child),
+                args=(tmp, lsn, info, t0, child, holds),
                 name="kalos-snapshot",
                 daemon=True,
             )
@@ -426,8 +436,21 @@ class Durability:
         finally:
             db.close()
 
-    def _finish(self, tmp: str, lsn: int, info: dict[str, Any], t0: float, child: int = 0) -> None:
-        if child and not self._reap(child):
+    def _finish(
+        self,
+        tmp: str,
+        lsn: int,
+        info: dict[str, Any],
+        t0: float,
+        child: int = 0,
+        holds: list[Any] | None = None,
+    ) -> None:
+        try:
+            reaped = not child or self._reap(child)
+        finally:
+            for h in holds or ():
+                h.release()  # the child is gone: what it could read may be reused
+        if not reaped:
             shutil.rmtree(tmp, ignore_errors=True)
             return
         try:

@@ -39,6 +39,7 @@ from kalos.transport.uds import recv_exactly
 if TYPE_CHECKING:
     from kalos.server.admin import Metrics, RequestStats
     from kalos.server.durability import Durability
+    from kalos.stores.token_heap import TokenHeap
 
 log = logging.getLogger("kalos.server")
 
@@ -78,6 +79,7 @@ class Listener:
         self._lock = lock
         self._info = info
         self.gpu: GpuSearch | None = None  # set by the sidecar on a cuda index
+        self.heap: TokenHeap | None = None  # the token heap, set by the sidecar when it has one
         self._journal = journal
         self.ready = threading.Event()  # set once recovery is done
         self._ids = itertools.count(1)
@@ -192,7 +194,15 @@ class Listener:
                         ch.gpu = self.gpu.new_result_buffer()
                 if ch.gpu is not None:
                     reply["gpu"] = ch.gpu.describe()
-            send_message(conn, reply, [self._control_fd, ch.fd])
+            fds = [self._control_fd, ch.fd]
+            heap = self.heap
+            # The token heap goes to clients that ask (1.2): older ones expect two descriptors.
+            if heap is not None and hello.get("token_heap") is True and reply["protocol"][1] >= 2:
+                reply["token_heap"] = {"bytes": heap.nbytes}
+                fds.append(heap.reader_fd())
+                heap.attach(ch)  # before the poller can serve the channel
+                ch.reader = ch
+            send_message(conn, reply, fds)
             os.close(ch.fd)
             ch.fd = -1
             self._poller.add(ch)
@@ -205,6 +215,8 @@ class Listener:
             if served:
                 self._poller.remove(ch)
                 self.disconnects += 1
+            if ch.reader is not None and self.heap is not None:
+                self.heap.detach(ch)  # its views are gone with it: it pins nothing now
             self._release_gpu(ch)
 
     def _release_gpu(self, ch: ServerChannel) -> None:

@@ -41,6 +41,7 @@ from kalos.server.listener import Listener
 from kalos.stores.memories import MemoryStore
 from kalos.stores.sessions import SessionStore, load_tokenizer
 from kalos.stores.state import StateStore
+from kalos.stores.token_heap import TokenHeap
 from kalos.stores.wal import FsyncPolicy
 from kalos.transport.memory import SharedMemory, create
 
@@ -99,12 +100,19 @@ class Sidecar:
 
             self.gpu = self.memories.gpu = GpuSearch(self.memories.index)
         self.lock = threading.Lock()  # serialises dispatch between the poller and uds threads
+        # Sessions' token ids, shared read-only with shm clients (CONTEXT by reference).
+        self.token_heap: TokenHeap | None = None
+        if config.token_heap_bytes:
+            try:
+                self.token_heap = TokenHeap(config.token_heap_bytes)
+            except OSError as exc:  # e.g. a file size limit (RLIMIT_FSIZE) below its size
+                log.warning("no token heap (%s): CONTEXT copies the token ids", exc)
         self.dispatcher = Dispatcher(
             self.memories,
             name=config.name,
             device=config.device,
             extra_stats=self._stats,
-            sessions=SessionStore(config.limits, tokenizer),
+            sessions=SessionStore(config.limits, tokenizer, self.token_heap),
             state=StateStore(config.limits),
         )
         self.durability: Durability | None = None
@@ -208,6 +216,7 @@ class Sidecar:
             journal=self.durability,
         )
         self.listener.gpu = self.gpu
+        self.listener.heap = self.token_heap
         self.listener.metrics = self.admin.metrics if self.admin is not None else None
         self.listener.start()
         if self.config.grpc:
@@ -296,6 +305,8 @@ class Sidecar:
             self.durability.close()  # a last snapshot, then the log closes
         if self.admin is not None:
             self.admin.close()
+        if self.token_heap is not None:
+            self.token_heap.close()  # its memory goes with the last client's mapping
         self._stopped.set()
         log.info("kalos sidecar %r stopped", self.config.name)
 

@@ -6,7 +6,9 @@ prompt, owned by a tenant and a user. Its session id is a string, unique within 
 Each session keeps its turns in four growing buffers, so that a context read does no Python
 work per turn:
 
-* ``tokens``: int32 [capacity], every turn's token ids back to back;
+* ``tokens``: int32 [capacity], every turn's token ids back to back: a region of the token
+  heap (kalos.stores.token_heap: shared memory shm clients read CONTEXT ids from, never
+  rewritten in place) when the store has one with room, else private memory;
 * ``text``: uint8 [capacity], every turn's UTF-8 role then text, back to back;
 * ``meta``: uint32 [capacity, 4], per turn (role bytes, text bytes, tokens, 0);
 * ``tok_cum`` / ``txt_cum``: Python lists of where each turn starts in ``tokens`` / ``text``,
@@ -38,6 +40,7 @@ import numpy as np
 from kalos.errors import ConfigError, Conflict, InvalidRequest, NotFound
 from kalos.protocol.messages import Scope, SessionInfo
 from kalos.stores.limits import Limits, check_name, check_size
+from kalos.stores.token_heap import Hold, Reader, TokenHeap
 
 Tokenizer = Callable[[str], np.ndarray]
 """text → token ids, int32 [n]."""
@@ -103,6 +106,7 @@ class Session:
     __slots__ = (
         "expires_at",
         "first",
+        "heap",
         "heap_at",
         "meta",
         "meta_mv",
@@ -112,6 +116,7 @@ class Session:
         "tenant",
         "text",
         "text_mv",
+        "tok_at",
         "tok_cum",
         "tokens",
         "tokens_mv",
@@ -120,11 +125,20 @@ class Session:
         "user",
     )
 
-    def __init__(self, name: str, tenant: str | None, user: str | None) -> None:
+    def __init__(
+        self,
+        name: str,
+        tenant: str | None,
+        user: str | None,
+        heap: TokenHeap | None = None,
+        capacity: int = _INITIAL_TOKENS,
+    ) -> None:
         self.name = name
         self.tenant = tenant
         self.user = user
-        self.tokens = np.empty(_INITIAL_TOKENS, np.int32)
+        self.heap = heap
+        self.tok_at = -1  # token offset of the heap region holding ``tokens``; -1: private
+        self.tokens = self._token_buffer(capacity)
         self.text = np.empty(_INITIAL_TEXT, np.uint8)
         self.meta = np.zeros((_INITIAL_TURNS, 4), np.uint32)
         self.remap()
@@ -191,22 +205,65 @@ class Session:
         if self.first >= _COMPACT_AFTER and 2 * self.first >= len(self.tok_cum) - 1:
             self._repack(0, 0, 0)
 
+    def _token_buffer(self, n_tokens: int) -> np.ndarray:
+        """A new buffer for at least ``n_tokens`` ids: a region of the token heap when it has
+        room (``tok_at`` set to it), else private memory (``tok_at`` -1). The caller copies
+        the live ids and frees any old region."""
+        heap = self.heap
+        if heap is not None:
+            got = heap.alloc(n_tokens)
+            if got is not None:
+                self.tok_at = got[0]
+                return got[1]
+        self.tok_at = -1
+        return np.empty(n_tokens, np.int32)
+
+    def release(self) -> None:
+        """Gives the session's heap region back: the session is gone (deleted, expired,
+        forgotten, replaced)."""
+        if self.tok_at >= 0 and self.heap is not None:
+            self.heap.free(self.tok_at)
+            self.tok_at = -1
+
     def _repack(
         self, more_tokens: int, more_text: int, more_turns: int, grow: bool = False
     ) -> None:
         """Moves the live turns to the front, growing any buffer that lacks room (with
         ``grow``: any buffer that would be over half full, so that appends that fill the
-        buffers again repack after as many more tokens as are live: amortised O(1))."""
+        buffers again repack after as many more tokens as are live: amortised O(1)).
+
+        Token ids in the heap are never moved in place (a client may hold a view of them):
+        they stay where they are while the new end fits their region and the dead head is
+        smaller than the live part, and move to a new region otherwise."""
         f, n = self.first, len(self.tok_cum) - 1
         t0, t1 = self.tok_cum[f], self.tok_cum[n]
         x0, x1 = self.txt_cum[f], self.txt_cum[n]
         live_t, live_x, live_n = t1 - t0, x1 - x0, n - f
-        self.tokens = _moved(self.tokens, t0, t1, live_t + more_tokens, grow)
+        need = live_t + more_tokens
+        buf = self.tokens
+        cap = len(buf)
+        shift = t0  # how far the live ids move towards the buffer's start
+        if self.tok_at >= 0:
+            if t1 + more_tokens > cap or (grow and 2 * need > cap) or (t0 and t0 >= need):
+                old = self.tok_at
+                self.tokens = self._token_buffer(max(2 * need, _INITIAL_TOKENS))
+                self.tokens[:live_t] = buf[t0:t1]
+                assert self.heap is not None
+                self.heap.free(old)
+            else:
+                shift = 0
+        elif need > cap or (grow and 2 * need > cap):
+            self.tokens = self._token_buffer(max(2 * need, cap))
+            self.tokens[:live_t] = buf[t0:t1]
+        elif t0:
+            buf[:live_t] = buf[t0:t1]  # private ids are never lent: move them in place
         self.text = _moved(self.text, x0, x1, live_x + more_text, grow)
         self.meta = _moved(self.meta, f, n, live_n + more_turns, grow)
         self.remap()
-        if f or t0:
-            self.tok_cum = [c - t0 for c in self.tok_cum[f:]]
+        if shift:
+            self.tok_cum = [c - shift for c in self.tok_cum[f:]]
+        elif f:
+            self.tok_cum = self.tok_cum[f:]
         if f or x0:
             self.txt_cum = [c - x0 for c in self.txt_cum[f:]]
         self.first = 0
@@ -246,9 +303,15 @@ def _moved(buf: np.ndarray, lo: int, hi: int, need: int, grow: bool) -> np.ndarr
 class SessionStore:
     """Every session of one sidecar. Used by one thread at a time (dispatch is serial)."""
 
-    def __init__(self, limits: Limits | None = None, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(
+        self,
+        limits: Limits | None = None,
+        tokenizer: Tokenizer | None = None,
+        heap: TokenHeap | None = None,
+    ) -> None:
         self.limits = limits or Limits()
         self.tokenizer = tokenizer
+        self.heap = heap  # where sessions' token ids live when it has room (None: private)
         self._sessions: dict[str, Session] = {}
         self._expiry: list[tuple[float, str]] = []  # heap of (expires_at, session)
         self._next_reap = -math.inf
@@ -307,6 +370,47 @@ class SessionStore:
         s, first, n, system = self._window(session, max_tokens, max_turns, now, scope)
         cum = s.tok_cum
         return s.tokens_mv[4 * cum[first] : 4 * cum[n]], n - first, system
+
+    def context_lent(
+        self,
+        session: str,
+        max_tokens: int,
+        max_turns: int | None,
+        reader: Reader,
+        *,
+        turns: bool,
+        now: float,
+        scope: Scope | None = None,
+    ) -> tuple[memoryview, int, memoryview | None, memoryview | None, SystemPrompt | None, int]:
+        """The window of :meth:`context` for a channel that maps the token heap: (token ids,
+        how many conversation turns, meta and text (None unless ``turns``), the system
+        prompt when included, the byte offset of the ids in the heap or -1).
+
+        When the ids lie in the heap in one piece (the session's ids are there and the
+        window has no system prompt, whose ids live apart) the offset is theirs and the
+        region is lent to ``reader`` (:meth:`TokenHeap.lend`): the response may carry the
+        offset instead of the ids. Otherwise -1: the ids travel as a copy."""
+        s, first, n, system = self._window(session, max_tokens, max_turns, now, scope)
+        cum = s.tok_cum
+        t0 = cum[first]
+        at = s.tok_at
+        if at >= 0 and system is None:
+            reader.lent_region = at  # TokenHeap.lend, inline: this is the CONTEXT hot path
+            reader.lent_request = reader.requests + 1
+            at = 4 * (at + t0)
+        else:
+            at = -1
+        if not turns:
+            return s.tokens_mv[4 * t0 : 4 * cum[n]], n - first, None, None, system, at
+        txt = s.txt_cum
+        return (
+            s.tokens_mv[4 * t0 : 4 * cum[n]],
+            n - first,
+            s.meta_mv[16 * first : 16 * n],
+            s.text_mv[txt[first] : txt[n]],
+            system,
+            at,
+        )
 
     def _window(
         self,
@@ -406,7 +510,13 @@ class SessionStore:
             "session_turns": sum(s.turns for s in self._sessions.values()),
             "session_tokens": sum(s.n_tokens for s in self._sessions.values()),
             "session_bytes": sum(s.nbytes for s in self._sessions.values()),
+            **(self.heap.stats() if self.heap is not None else {}),
         }
+
+    def hold(self) -> Hold | None:
+        """Keeps every token-heap region freed from now on until the hold is released: a
+        forked snapshot writer reads the shared heap as it is (None: no heap)."""
+        return self.heap.hold() if self.heap is not None else None
 
     # -- writes ----------------------------------------------------------------------------
 
@@ -454,7 +564,7 @@ class SessionStore:
             raise InvalidRequest(f"ttl_s must be a finite number >= 0, got {ttl_s}")
         s = self._sessions.get(session)
         if s is not None and s.expires_at <= now:
-            s = None  # expired: the id starts a new session
+            s = None  # expired: the id starts a new session (its region is freed below)
         tenant = owner.tenant if owner is not None else None
         user = owner.user if owner is not None else None
         if s is not None and (
@@ -474,7 +584,10 @@ class SessionStore:
         # -- checked: from here on nothing fails --
         self.maybe_reap(now)
         if s is None:
-            s = Session(session, tenant, user)
+            old = self._sessions.get(session)
+            if old is not None:
+                old.release()
+            s = Session(session, tenant, user, self.heap)
             self._sessions[session] = s
         s.rolling = is_rolling
         if ttl_s is not None:
@@ -527,13 +640,13 @@ class SessionStore:
     def delete(self, session: str, *, now: float, scope: Scope | None = None) -> None:
         """Deletes a session: its turns and system prompt. NotFound when there is none."""
         self._live(session, now, scope)
-        del self._sessions[session]
+        self._sessions.pop(session).release()
 
     def forget(self, scope: Scope) -> int:
         """Deletes every session matching ``scope`` (expired ones too); returns how many."""
         names = [name for name, s in self._sessions.items() if s.matches(scope)]
         for name in names:
-            del self._sessions[name]
+            self._sessions.pop(name).release()
         return len(names)
 
     def maybe_reap(self, now: float) -> int:
@@ -553,7 +666,7 @@ class SessionStore:
             if s is None or s.heap_at != at:
                 continue  # deleted, or re-made since this entry was pushed
             if s.expires_at <= now:
-                del sessions[name]
+                sessions.pop(name).release()
                 reaped += 1
             else:  # refreshed by appends since: look again at its new expiry
                 heapq.heappush(heap, (s.expires_at, name))
@@ -561,6 +674,8 @@ class SessionStore:
         return reaped
 
     def clear(self) -> None:
+        for s in self._sessions.values():
+            s.release()
         self._sessions.clear()
         self._expiry.clear()
         self._next_reap = -math.inf
@@ -634,16 +749,14 @@ class SessionStore:
         for row in rows:
             (name, tenant, user, ttl_s, expires_at, rolling, turns,
              turn_at, token_at, text_at, sys_meta, sys_tokens, sys_text) = row  # fmt: skip
-            s = Session(name, tenant, user)
             m = np.array(meta[turn_at : turn_at + turns])
             tok_lens = m[:, 2].astype(np.int64)
             txt_lens = m[:, 0].astype(np.int64) + m[:, 1]
             n_tok, n_txt = int(tok_lens.sum()), int(txt_lens.sum())
-            s.tokens = np.array(tokens[token_at : token_at + n_tok])
+            s = Session(name, tenant, user, self.heap, max(n_tok, _INITIAL_TOKENS))
+            s.tokens[:n_tok] = tokens[token_at : token_at + n_tok]
             s.text = np.array(text[text_at : text_at + n_txt])
             s.meta = m if turns else np.zeros((_INITIAL_TURNS, 4), np.uint32)
-            if not len(s.tokens):
-                s.tokens = np.empty(_INITIAL_TOKENS, np.int32)
             if not len(s.text):
                 s.text = np.empty(_INITIAL_TEXT, np.uint8)
             s.remap()

@@ -39,6 +39,9 @@ class Transport(abc.ABC):
     request_buffer: np.ndarray  # writable uint8; the next request's body goes here
     server_info: dict[str, Any]  # what the handshake told: dim, metric, max_k, epoch, ...
     gpu: Any = None  # kalos.gpu.handoff.GpuChannel when GPU results were asked for
+    # The sidecar's token heap, mapped read-only (int32), when this channel maps it (shm):
+    # CONTEXT responses may refer to token ids in it (kalos.stores.token_heap).
+    heap: np.ndarray | None = None
 
     @abc.abstractmethod
     def request(self, op: int, flags: int, body_len: int, *, timeout: float) -> Response:

@@ -83,7 +83,7 @@ def client_hello(
     except (ConnectionRefusedError, OSError) as exc:
         sock.close()
         raise ConnectError(f"cannot connect to the sidecar at {path}: {exc}") from exc
-    hello = hello_message(transport, arena_bytes, gpu_results)
+    hello = hello_message(transport, arena_bytes, gpu_results, token_heap=transport == "shm")
     try:
         # A sidecar refusing this peer (SO_PEERCRED) answers at once and closes, maybe before
         # the hello arrives (EPIPE); its answer is still there to read.
@@ -102,15 +102,23 @@ def client_hello(
     return sock, reply, fds
 
 
-def hello_message(transport: str, arena_bytes: int, gpu_results: bool = False) -> dict[str, Any]:
-    """The client's handshake message (over the Unix socket, or grpc's Hello method)."""
-    return {
+def hello_message(
+    transport: str, arena_bytes: int, gpu_results: bool = False, *, token_heap: bool = False
+) -> dict[str, Any]:
+    """The client's handshake message (over the Unix socket, or grpc's Hello method).
+
+    ``token_heap``: the client maps the sidecar's token heap (shm channels: CONTEXT token
+    ids by reference, kalos.stores.token_heap)."""
+    hello = {
         "magic": "KALO",
         "protocol": list(PROTOCOL_VERSION),
         "transport": transport,
         "arena_bytes": arena_bytes,
         "gpu_results": gpu_results,
     }
+    if token_heap:
+        hello["token_heap"] = True
+    return hello
 
 
 def refused(reply: dict[str, Any]) -> NoReturn:

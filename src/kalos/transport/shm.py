@@ -13,12 +13,17 @@ its control segment says STOPPING, or when its heartbeat is older than ``hung_af
 
 from __future__ import annotations
 
+import mmap
 import os
 import select
 import socket
 import struct
+import threading
 import time
+import weakref
 from typing import Any
+
+import numpy as np
 
 from kalos import _native
 from kalos.errors import ClosedError, ConnectError, RequestTimeout, SidecarGone
@@ -44,6 +49,30 @@ _REQ_OP = L.REQ_OP
 _RESP_STATUS = L.RESP_STATUS
 
 
+_heaps: dict[tuple[int, int], weakref.ref[np.ndarray]] = {}
+_heaps_lock = threading.Lock()
+
+
+def map_token_heap(fd: int, size: int, key: tuple[int, int]) -> np.ndarray:
+    """The token heap of the sidecar ``key`` (pid, epoch), mapped read-only, as int32.
+
+    One mapping per sidecar start in this process, shared by its channels (a page a client
+    thread touched is mapped for the others too). It lives while a channel or a view of it
+    does: views handed out before a reconnect stay readable (the old heap is an unlinked
+    memfd: its memory goes with the last mapping)."""
+    with _heaps_lock:
+        ref = _heaps.get(key)
+        heap = ref() if ref is not None else None
+        if heap is None or 4 * len(heap) != size:
+            if os.fstat(fd).st_size < size:
+                raise ConnectError("the sidecar's token heap is smaller than it says")
+            heap = np.frombuffer(mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ), np.int32)
+            for k in [k for k, r in _heaps.items() if r() is None]:
+                del _heaps[k]
+            _heaps[key] = weakref.ref(heap)
+        return heap
+
+
 class ShmTransport(Transport):
     kind = "shm"
 
@@ -56,13 +85,18 @@ class ShmTransport(Transport):
         spin_us: float,
         hung_after: float = HUNG_AFTER_S,
     ) -> None:
-        if len(fds) != 2:
+        heap_info = info.get("token_heap")
+        want = 3 if heap_info else 2
+        if len(fds) != want:
             for fd in fds:
                 os.close(fd)
-            raise ConnectError(f"the sidecar sent {len(fds)} descriptors, expected 2")
+            raise ConnectError(f"the sidecar sent {len(fds)} descriptors, expected {want}")
         try:
             self._ctrl = SharedMemory(fds[0], L.CONTROL_SIZE)
             self._chan = SharedMemory(fds[1], L.channel_size(int(info["arena_bytes"])))
+            if heap_info:
+                key = (int(info.get("server_pid", 0)), int(info.get("epoch", 0)))
+                self.heap = map_token_heap(fds[2], int(heap_info["bytes"]), key)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -167,3 +201,4 @@ class ShmTransport(Transport):
         finally:
             self._chan.close()
             self._ctrl.close()
+            self.heap = None  # views of it keep the mapping
