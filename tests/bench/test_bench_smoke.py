@@ -88,8 +88,9 @@ def test_recall_bench(tmp_path):
     assert set(rows) == {(s, c) for s in ("kalos-shm", "redis+faiss") for c in (1, 2)}
     k = rows[("kalos-shm", 2)]
     assert set(k["sidecar_parts_p50_us"]) == {"context", "search", "assemble"}
+    # the ratio is rounded to 2 decimals (on a loaded smoke run it can be below 1)
     assert k["baseline_over_this_p99"] == pytest.approx(
-        rows[("redis+faiss", 2)]["p99_us"] / k["p99_us"], rel=0.01
+        rows[("redis+faiss", 2)]["p99_us"] / k["p99_us"], rel=0.01, abs=0.005
     )
 
 
