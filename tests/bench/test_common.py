@@ -154,6 +154,9 @@ def test_run_interleaved_times_and_checks_every_call():
         assert (res.samples_ns > 0).all() and res.wall_s > 0 and res.stages_us is None
     timed = [c for c in calls if c[0] == "a"]
     assert len(timed) == 90 + 3 * 5  # every item once, plus a warm-up call per thread per block
+    # a thread's warm-up call precedes its block's timed calls, on an item after the block
+    first_a = [c for c in calls if c[0] == "a" and c[2] == "bench-0"][:2]
+    assert [i for _, i, _ in first_a] == [int(order[20]), int(order[0])]
     assert {c[2] for c in timed} == {"bench-0", "bench-1", "bench-2"}
 
 

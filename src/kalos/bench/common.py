@@ -409,7 +409,8 @@ def run_interleaved(
 ) -> dict[str, LevelResult]:
     """Every system answers ``order`` (items), ``threads`` calls at a time, in interleaved blocks
     of ``block`` calls whose system order rotates. Thread k makes calls k, k+threads, ... of a
-    block, after ``warmup`` untimed calls of its own; every answer is checked."""
+    block, after ``warmup`` untimed calls of its own (on the items that follow the block, so
+    that none of the timed calls finds its item just warmed); every answer is checked."""
     n = len(order)
     results = {
         s.name: LevelResult(
@@ -425,8 +426,9 @@ def run_interleaved(
         call, check, client = system.call, system.check, system.client
         if client is not None:
             client.record_stages(True)
+        # on the items after the block: warming its own first items would make them hits
         for j in range(warmup):
-            call(int(order[(at + k + j * threads) % n]))
+            call(int(order[(end + k + j * threads) % n]))
         samples, stages = res.samples_ns, res.stages_us
         clock = time.monotonic_ns
         bad = 0
