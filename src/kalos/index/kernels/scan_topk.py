@@ -182,6 +182,19 @@ def _load_queries(
 
 
 @triton.jit
+def _load_rows(ptr, rows, rmask, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    # -> [BLOCK_N, BLOCK_D] the rows' elements of a row-major [cap, D] matrix, 0 past the
+    # mask; int64 offsets (10M x 768 elements overflow int32)
+    dc = tl.arange(0, BLOCK_D)
+    ptrs = ptr + rows.to(tl.int64)[:, None] * D + dc[None, :]
+    if BLOCK_D == D:
+        x = tl.load(ptrs, mask=rmask[:, None], other=0)
+    else:
+        x = tl.load(ptrs, mask=rmask[:, None] & (dc[None, :] < D), other=0)
+    return x
+
+
+@triton.jit
 def _tile_scores(
     db_ptr,
     sq_ptr,
@@ -199,13 +212,7 @@ def _tile_scores(
     DOT_F32: tl.constexpr,
 ):
     # -> [BQS, BLOCK_N] fp32 scores to maximise, for the first BQS queries
-    dc = tl.arange(0, BLOCK_D)
-    # db: [cap, D] row-major; int64 offsets (10M x 768 elements overflow int32)
-    ptrs = db_ptr + rows.to(tl.int64)[:, None] * D + dc[None, :]
-    if BLOCK_D == D:
-        x = tl.load(ptrs, mask=rmask[:, None], other=0.0)
-    else:
-        x = tl.load(ptrs, mask=rmask[:, None] & (dc[None, :] < D), other=0.0)
+    x = _load_rows(db_ptr, rows, rmask, D, BLOCK_D)
     if USE_DOT:
         if DOT_F32:  # bf16 under TRITON_INTERPRET: its dot multiplies the raw uint16 bits
             acc = tl.dot(x.to(tl.float32), qT.to(tl.float32), input_precision="ieee")
@@ -251,12 +258,7 @@ def _tile_upper(
     # with |q.x - approx| <= |q| e1 + e2 |q - q8| (see prefilter_meta). CODES 1: the codes
     # upcast against the fp32 query (FMAs); 2: an int8 tensor-core dot against the query
     # in two int8 parts (q ~ q_scale * (hi + lo / 256)), exact in int32.
-    dc = tl.arange(0, BLOCK_D)
-    ptrs = codes_ptr + rows.to(tl.int64)[:, None] * D + dc[None, :]
-    if BLOCK_D == D:
-        c = tl.load(ptrs, mask=rmask[:, None], other=0)
-    else:
-        c = tl.load(ptrs, mask=rmask[:, None] & (dc[None, :] < D), other=0)
+    c = _load_rows(codes_ptr, rows, rmask, D, BLOCK_D)
     scale = tl.load(meta_ptr + rows, mask=rmask, other=0.0)
     e1 = tl.load(meta_ptr + cap + rows, mask=rmask, other=0.0)
     if CODES == 2:
