@@ -10,14 +10,16 @@ that the sidecar replays (``_HostResultGraph`` through ``GpuSearch``), beside it
 - ``launch+query``: the same launch, then ``cuStreamQuery`` polled from Python until done;
 - ``launch+wait+sync``: the launch, a host busy-wait of 80% of the kernel's p50, then the
   sync (a long wait made short: if the sync's own cost grows with the wait, this row drops);
-- ``gpusearch``: ``GpuSearch.search`` (staging, launch, sync, the proof's check).
+- ``gpusearch``: ``GpuSearch.search`` (staging, launch, sync, the proof's check);
+- ``gpusearch-inplace``: the same with the results written by the graph into a registered
+  arena, as the sidecar serves a channel.
 
 Each row's ``over_kernel_us`` is its p50 minus the kernel's. Run it twice: as it is, and with
 ``--sched spin`` (``CU_CTX_SCHED_SPIN`` set on the primary context before torch creates it;
 the default is ``CU_CTX_SCHED_AUTO``). If ``launch+sync`` grows from 1M to 10M while
 ``launch+query`` does not, the sync is the extra, and the sidecar should wait another way.
 
-Usage (CUDA machine): ``python3 bench/search_gpu_sync.py --out DIR [--sched spin]``
+Usage (CUDA machine): ``python3 bench/search_gpu_sync.py --out DIR [--sched spin] [--cpus 14 15]``
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import argparse
 import ctypes
 import datetime
 import json
+import mmap
 import os
 import time
 from typing import Any
@@ -111,10 +114,21 @@ def run_size(torch: Any, n: int, dim: int, k: int, reps: int) -> dict[str, Any]:
             pass
         sync(s)
 
+    # The sidecar's own path: results written by the graph into a registered arena (an
+    # anonymous shared mapping, as a channel's is a memfd's).
+    arena = np.frombuffer(mmap.mmap(-1, 1 << 20), np.uint8)
+    pinned = gs.pin(arena)
+    out = (arena[:4 * k].view(np.float32).reshape(1, k),
+           arena[4096:4096 + 8 * k].view(np.int64).reshape(1, k))  # fmt: skip
+    q1 = gs.staging.query_np[:1]
+    for _ in range(20):
+        gs.search(q1, k, None, out=out, pinned=pinned)
+
     rows = {"kernel": _p(kernel)}
     fns = {"launch+sync": launch_sync, "launch+query": launch_query,
            "launch+wait+sync": launch_wait_sync,
-           "gpusearch": lambda: gs.search(gs.staging.query_np[:1], k, None)}  # fmt: skip
+           "gpusearch": lambda: gs.search(q1, k, None),
+           "gpusearch-inplace": lambda: gs.search(q1, k, None, out=out, pinned=pinned)}  # fmt: skip
     samples: dict[str, list[np.ndarray]] = {name: [] for name in fns}
     for _ in range(5):  # interleaved blocks
         for name, fn in fns.items():
@@ -123,6 +137,7 @@ def run_size(torch: Any, n: int, dim: int, k: int, reps: int) -> dict[str, Any]:
         row = _p(np.concatenate(parts))
         row["over_kernel_us"] = round(row["p50_us"] - k50 / 1e3, 2)
         rows[name] = row
+    pinned.close()
     return {"n": n, "dim": dim, "k": k, "prefilter": prefilter, "rows": rows}
 
 
@@ -132,21 +147,27 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--reps", type=int, default=1000)
     ap.add_argument("--sched", choices=sorted(_SCHED), default="auto")
+    ap.add_argument("--cpus", type=int, nargs="*", default=None, help="pin the process")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    if args.cpus:
+        os.sched_setaffinity(0, set(args.cpus))
     sched = _set_sched(args.sched) if args.sched != "auto" else "default"
     import torch
 
     out: dict[str, Any] = {"scenario": "search-gpu-sync", "machine": "H200",
                            "date": datetime.date.today().isoformat(), "sched": args.sched,
-                           "sched_state": sched, "sets": []}  # fmt: skip
+                           "sched_state": sched, "cpus": args.cpus, "sets": []}  # fmt: skip
     for size in args.sizes:
         n, dim = (int(v) for v in size.split("x"))
         out["sets"].append(run_size(torch, n, dim, args.k, args.reps))
         print(json.dumps(out["sets"][-1]), flush=True)
         torch.cuda.empty_cache()
     if args.out:
-        path = os.path.join(args.out, f"search-gpu-sync-H200-{out['date']}-{args.sched}.json")
+        path = os.path.join(
+            args.out,
+            f"search-gpu-sync-H200-{out['date']}-{args.sched}{'-pinned' if args.cpus else ''}.json",
+        )
         with open(path, "w") as f:
             json.dump(out, f, indent=1)
     return 0
