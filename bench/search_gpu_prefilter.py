@@ -8,7 +8,8 @@ with one query, its ratio to its own bandwidth floor (bytes it must read / measu
 bandwidth), and over ``--check`` distinct queries how often the bound proved the result (no
 fallback) and how often the ids differed from the full scan's (must be 0).
 
-Usage (CUDA machine): ``python3 bench/search_gpu_prefilter.py --out DIR [--sizes 1000000x128]``
+Usage (CUDA machine): ``python3 bench/search_gpu_prefilter.py --out DIR [--sizes 1000000x128]
+[--grid] [--only default-dot ...] [--tag -sweep6]``
 """
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ def _row(name: str, t: np.ndarray, floor: float, **extra: Any) -> dict[str, Any]
             "floor_us": round(floor, 2), "over_floor": round(p50 / floor, 3), **extra}  # fmt: skip
 
 
-def run_size(n: int, dim: int, k: int, bw: float, checks: int, reps: int) -> dict[str, Any]:
+def run_size(
+    n: int, dim: int, k: int, bw: float, checks: int, reps: int, grid: bool = False,
+    only: list[str] | None = None,
+) -> dict[str, Any]:  # fmt: skip
     gen = torch.Generator(device="cuda").manual_seed(n + dim)
     idx = CudaFlatIndex(dim=dim, metric="ip", spec="cuda:flat,fp16")
     idx.reserve(n)
@@ -71,6 +75,16 @@ def run_size(n: int, dim: int, k: int, bw: float, checks: int, reps: int) -> dic
         (f"dot-lists{keep}", kern.PREFILTER_DOT, None, None, keep),
         (f"dot-lists{keep}-w8", kern.PREFILTER_DOT, w8, None, keep),
     ]
+    if grid:  # launch shapes around the default (4 warps, its lists): session 6's sweep
+        for pps in (1, 2, 3, 4):
+            for stages in (2, 3, 4):
+                for bn in (128, 256, 512):
+                    cfg = kern.ScanConfig(block_n=bn, num_warps=4, num_stages=stages,
+                                          use_dot=True, programs_per_sm=pps)  # fmt: skip
+                    variants.append((f"pps{pps}-st{stages}-bn{bn}", kern.PREFILTER_DOT, cfg,
+                                     None, None))  # fmt: skip
+    if only:
+        variants = [v for v in variants if v[0] in only]
     for name, mode, cfg, keep, lists in variants:
         idx.prefilter_mode = mode
         idx.prefilter_config = cfg
@@ -115,6 +129,9 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--checks", type=int, default=200)
     ap.add_argument("--reps", type=int, default=300)
+    ap.add_argument("--grid", action="store_true", help="also launch shapes around the default")
+    ap.add_argument("--only", nargs="*", default=None, help="run only these variants")
+    ap.add_argument("--tag", default="", help="appended to the JSON's name")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     bw = _copy_bandwidth(torch)
@@ -124,10 +141,12 @@ def main() -> int:
                            "copy_bandwidth_TBps": round(bw / 1e12, 3), "sets": []}  # fmt: skip
     for size in args.sizes:
         n, dim = (int(v) for v in size.split("x"))
-        out["sets"].append(run_size(n, dim, args.k, bw, args.checks, args.reps))
+        out["sets"].append(
+            run_size(n, dim, args.k, bw, args.checks, args.reps, args.grid, args.only)
+        )
         torch.cuda.empty_cache()
         if args.out:
-            path = os.path.join(args.out, f"search-gpu-prefilter-H200-{out['date']}.json")
+            path = os.path.join(args.out, f"search-gpu-prefilter-H200-{out['date']}{args.tag}.json")
             with open(path, "w") as f:
                 json.dump(out, f, indent=1)
     return 0
