@@ -90,13 +90,13 @@ def run_size(
         idx.prefilter_config = cfg
         idx.prefilter_keep = keep
         idx.prefilter_lists = lists
-        try:
+        try:  # a shape Triton cannot build (it compiles at capture): say so, go on
             g = idx.graph(1, k, prefilter=True)
-        except Exception as exc:  # a shape Triton cannot build: say so, go on
+            g.query.copy_(qs[:1])
+            graph = g.prefilter_cuda_graph()
+        except Exception as exc:
             rows.append({"variant": name, "error": repr(exc)[:300]})
             continue
-        g.query.copy_(qs[:1])
-        graph = g.prefilter_cuda_graph()
         t = _times(graph.replay, reps)
         got = []
         for i in range(checks):
