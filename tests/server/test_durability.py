@@ -196,6 +196,66 @@ def test_a_data_dir_keeps_its_dimension(sidecar: Start, tmp_path: Path) -> None:
     assert f"dim={DIM}" in proc.stderr and f"dim={DIM + 1}" in proc.stderr
 
 
+def test_a_data_dir_keeps_its_dimension_after_a_crash(sidecar: Start, tmp_path: Path) -> None:
+    # No snapshot yet: only identity.json knows the dimension the log was written with.
+    data = tmp_path / "data"
+    sc = durable(sidecar, data)
+    with sc.connect(timeout=TIMEOUT) as client:
+        client.add(vectors([1]), [1])
+    sc.stop(signal.SIGKILL, timeout=TIMEOUT)
+    assert not [p for p in data.iterdir() if p.name.startswith("snap-")]
+    proc = subprocess.run(
+        serve_command("other", DIM + 1, str(tmp_path / "run"), "--data-dir", str(data)),
+        capture_output=True, text=True, timeout=TIMEOUT,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert f"dim={DIM}" in proc.stderr and f"dim={DIM + 1}" in proc.stderr
+
+
+def _word_tokenizer(path: Path, words: list[str]) -> str:
+    tokenizers = pytest.importorskip("tokenizers")
+    model = tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]")
+    tok = tokenizers.Tokenizer(model)
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(path))
+    return str(path)
+
+
+def test_a_tokenizer_change_waits_until_the_log_is_in_a_snapshot(
+    sidecar: Start, tmp_path: Path
+) -> None:
+    old = _word_tokenizer(tmp_path / "old.json", ["[UNK]", "hello", "world"])
+    new = _word_tokenizer(tmp_path / "new.json", ["[UNK]", "x", "y", "world", "hello"])
+    data = tmp_path / "data"
+    sc = durable(sidecar, data, "--tokenizer", old)
+    with sc.connect(timeout=TIMEOUT) as client:
+        client.append_turn("s", "user", "hello world")
+    sc.stop(signal.SIGKILL, timeout=TIMEOUT)
+
+    # The log holds a turn the old tokenizer made ids for: another would replay other ids.
+    proc = subprocess.run(
+        serve_command("other", DIM, str(tmp_path / "run"), "--data-dir", str(data),
+                      "--tokenizer", new, metric="l2"),
+        capture_output=True, text=True, timeout=TIMEOUT,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "tokenizer='sha256:" in proc.stderr and "Start it once with the tokenizer" in proc.stderr
+
+    sc = durable(sidecar, data, "--tokenizer", old)  # replays, then a clean stop snapshots
+    with sc.connect(timeout=TIMEOUT) as client:
+        assert client.context("s", 100).tokens.tolist() == [1, 2]
+    assert sc.stop(signal.SIGTERM, timeout=TIMEOUT) == 0
+
+    sc = durable(sidecar, data, "--tokenizer", new)  # nothing left to replay: accepted
+    with sc.connect(timeout=TIMEOUT) as client:
+        client.append_turn("s", "user", "hello world")
+        assert client.context("s", 100).tokens.tolist() == [1, 2, 4, 3]
+    sc.stop(signal.SIGKILL, timeout=TIMEOUT)
+    sc = durable(sidecar, data, "--tokenizer", new)  # its own log replays under it
+    with sc.connect(timeout=TIMEOUT) as client:
+        assert client.context("s", 100).tokens.tolist() == [1, 2, 4, 3]
+
+
 def test_one_sidecar_per_data_dir(sidecar: Start, tmp_path: Path) -> None:
     data = tmp_path / "data"
     durable(sidecar, data)

@@ -13,6 +13,7 @@ time) and needs nothing from the stores but determinism.
 Layout of ``DIR``::
 
     LOCK                      flock()ed by the sidecar that owns the directory
+    identity.json             what the stores' data depend on (dim, metric, tokenizer)
     wal/wal-<LSN>.log         log segments (kalos.stores.wal)
     snap-<LSN>/               the newest complete snapshot: every store's state through LSN
         snapshot.db           SQLite: table snapshot_meta, and each store's tables
@@ -32,8 +33,12 @@ log, or the new one plus the log after it; a snapshot that fails (a full disk, a
 dies) is logged and leaves the log covering everything. While a forked child writes, pages
 the parent changes are copied: memory can grow by up to the stores' size meanwhile.
 
-Recovery (before the sidecar reports ready): restore the newest ``snap-*``, replay the
-log records after its LSN, cut a torn tail, open a fresh segment.
+Recovery (before the sidecar reports ready): check ``identity.json`` against this sidecar's
+configuration, restore the newest ``snap-*``, replay the log records after its LSN, cut a
+torn tail, open a fresh segment, write ``identity.json``. A different dim or metric is
+refused at once (ConfigError); a different tokenizer only while the log holds records after
+the newest snapshot (replaying a turn or memory sent without token ids tokenizes it again,
+which with another tokenizer would give other ids than the ones acknowledged).
 """
 
 from __future__ import annotations
@@ -72,6 +77,10 @@ _REPLAY_OUT_BYTES = 1 << 20
 CHILD_TIMEOUT_S = 1800.0  # a forked snapshot writer still running after this is killed
 _PR_SET_PDEATHSIG = 1
 LOCK_WAIT_S = 10.0  # a stopping sidecar may still hold the data directory this long
+IDENTITY_FILE = "identity.json"
+# Identity keys that only the log's replay depends on (a snapshot holds their results): a
+# change is refused only while records after the newest snapshot remain to be replayed.
+REPLAY_KEYS = frozenset({"tokenizer"})
 
 
 class Snapshotting(Protocol):
@@ -218,6 +227,7 @@ class Durability:
         t0 = time.perf_counter()
         os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
         self._take_lock()
+        changed = self._check_identity()
         for name in os.listdir(self.data_dir):
             if name.startswith("snap-") and name.endswith(".tmp"):
                 shutil.rmtree(os.path.join(self.data_dir, name), ignore_errors=True)
@@ -231,6 +241,15 @@ class Durability:
         out = np.zeros(_REPLAY_OUT_BYTES, np.uint8)
         handle = self.dispatcher.handle
         for record in self.wal.recover(lsn):
+            if changed:
+                key, theirs, ours = changed[0]
+                raise ConfigError(
+                    f"the data directory {self.data_dir} holds writes logged with "
+                    f"{key}={theirs!r} and not yet in a snapshot; this sidecar has "
+                    f"{key}={ours!r}, and replaying them would give other results than the "
+                    f"ones acknowledged. Start it once with the {key} it had (a clean stop "
+                    "then snapshots the log), then switch."
+                )
             status, n, _, _ = handle(record.op, record.flags, record.body, out, record.time_ns)
             replayed += 1
             if status != Status.OK:
@@ -244,6 +263,7 @@ class Durability:
                 )
         t2 = time.perf_counter()
         self.wal.open()
+        self._write_identity()
         self.snapshot_lsn = lsn
         # The log already holds this much beyond the snapshot: it counts toward the next one.
         self._snapshot_wal_bytes = -self.wal.recovered_bytes
@@ -258,6 +278,41 @@ class Durability:
         }
         log.info("recovered %s: %s", self.data_dir, json.dumps(self.recovery))
         return self.recovery
+
+    def _check_identity(self) -> list[tuple[str, Any, Any]]:
+        """Compares ``identity.json`` (when there is one) with :attr:`identity`: raises
+        ConfigError for a key that must never change; returns the changed REPLAY_KEYS as
+        (key, theirs, ours)."""
+        path = os.path.join(self.data_dir, IDENTITY_FILE)
+        try:
+            with open(path) as f:
+                theirs = json.load(f)
+        except FileNotFoundError:
+            return []  # a new directory, or one written before the file existed
+        except (OSError, ValueError) as exc:
+            raise StoreError(f"{path} is unreadable: {exc}") from exc
+        changed = []
+        for key, ours in self.identity.items():
+            if key not in theirs or theirs[key] == ours:
+                continue
+            if key not in REPLAY_KEYS:
+                raise ConfigError(
+                    f"the data directory {self.data_dir} holds {key}={theirs[key]!r}; "
+                    f"this sidecar is configured with {key}={ours!r}"
+                )
+            changed.append((key, theirs[key], ours))
+        return changed
+
+    def _write_identity(self) -> None:
+        """Records this sidecar's identity in the directory (atomically, durably)."""
+        path = os.path.join(self.data_dir, IDENTITY_FILE)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.identity, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(self.data_dir)
 
     def _take_lock(self) -> None:
         fd = os.open(os.path.join(self.data_dir, "LOCK"), os.O_RDWR | os.O_CREAT, 0o600)
@@ -283,7 +338,7 @@ class Durability:
                 raise StoreError(f"{path}: not a snapshot this version can read")
             theirs = json.loads(meta.get("identity", "{}"))
             for key, value in self.identity.items():
-                if key in theirs and theirs[key] != value:
+                if key in theirs and theirs[key] != value and key not in REPLAY_KEYS:
                     raise ConfigError(
                         f"the data directory {self.data_dir} holds {key}={theirs[key]!r}; "
                         f"this sidecar is configured with {key}={value!r}"

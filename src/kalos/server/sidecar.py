@@ -39,7 +39,7 @@ from kalos.server.dispatch import Dispatcher
 from kalos.server.durability import Durability
 from kalos.server.listener import Listener
 from kalos.stores.memories import MemoryStore
-from kalos.stores.sessions import SessionStore, load_tokenizer
+from kalos.stores.sessions import SessionStore, load_tokenizer, tokenizer_fingerprint
 from kalos.stores.state import StateStore
 from kalos.stores.token_heap import TokenHeap
 from kalos.stores.wal import FsyncPolicy
@@ -132,7 +132,11 @@ class Sidecar:
                 policy=FsyncPolicy.parse(config.fsync),
                 snapshot_bytes=config.snapshot_bytes,
                 segment_bytes=config.wal_segment_bytes,
-                identity={"dim": config.dim, "metric": config.metric},
+                identity={
+                    "dim": config.dim,
+                    "metric": config.metric,
+                    "tokenizer": tokenizer_fingerprint(config.tokenizer),
+                },
                 fork=not config.device.startswith("cuda"),  # CUDA does not survive a fork
             )
             handle = self.durability.handle

@@ -27,6 +27,7 @@ writes run at most once per ``REAP_INTERVAL_S``.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import math
 import os
@@ -79,6 +80,18 @@ def load_tokenizer(path: str) -> Tokenizer:
         return np.asarray(tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
 
     return tokenize
+
+
+def tokenizer_fingerprint(path: str | None) -> str | None:
+    """``sha256:<hex>`` of a tokenizer file's bytes (None: no tokenizer): a data directory
+    records it, since replaying its log tokenizes again (kalos.server.durability)."""
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return "sha256:" + hashlib.sha256(f.read()).hexdigest()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the tokenizer {path!r}: {exc}") from exc
 
 
 class SystemPrompt(NamedTuple):
