@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import signal
@@ -204,12 +205,20 @@ def test_a_data_dir_keeps_its_dimension_after_a_crash(sidecar: Start, tmp_path: 
         client.add(vectors([1]), [1])
     sc.stop(signal.SIGKILL, timeout=TIMEOUT)
     assert not [p for p in data.iterdir() if p.name.startswith("snap-")]
+    identity = json.loads((data / "identity.json").read_text())
+    assert identity == {"dim": DIM, "metric": "l2", "tokenizer": None}
     proc = subprocess.run(
         serve_command("other", DIM + 1, str(tmp_path / "run"), "--data-dir", str(data)),
         capture_output=True, text=True, timeout=TIMEOUT,
     )  # fmt: skip
     assert proc.returncode == 2
     assert f"dim={DIM}" in proc.stderr and f"dim={DIM + 1}" in proc.stderr
+    # A directory from before identity.json: recovered as it is, and the file written.
+    (data / "identity.json").unlink()
+    sc = durable(sidecar, data)
+    with sc.connect(timeout=TIMEOUT) as client:
+        assert client.stats()["items"] == 1
+    assert json.loads((data / "identity.json").read_text()) == identity
 
 
 def _word_tokenizer(path: Path, words: list[str]) -> str:
