@@ -177,12 +177,18 @@ class SearchRequest(NamedTuple):
     scope: Scope
 
 
+_SEARCH_HEAD = struct.Struct("<IIIIIII")  # nq, k, dim, dtype, then the scope's three lengths
+
+
 def decode_search(buf: np.ndarray, end: int, with_queries: bool = True) -> SearchRequest:
     """A SEARCH body; ``with_queries`` False (flag SEARCH_GPU_QUERY): the body ends after the
     scope block and ``queries`` is an empty [nq, 0] array (the queries are on the GPU)."""
-    _need(16, end)
-    nq, k, dim, dtype = _HEAD4.unpack_from(buf, 0)
-    scope, off = read_scope(buf, 16, end)
+    _need(32, end)
+    nq, k, dim, dtype, a, b, c = _SEARCH_HEAD.unpack_from(buf, 0)
+    if a or b or c:
+        scope, off = read_scope(buf, 16, end)
+    else:  # no scope, the common case: one unpack for both headers
+        scope, off = _NO_SCOPE, 32
     if nq == 0 or dim == 0:
         raise InvalidRequest("search needs at least one query of dimension > 0")
     if not with_queries:
