@@ -43,6 +43,17 @@ def durable(sidecar: Start, data: Path, *extra: str, name: str = "durable") -> R
     return sidecar(metric="l2", name=name, extra_args=("--data-dir", str(data), *extra))
 
 
+def refused(tmp_path: Path, data: Path, dim: int, *extra: str, metric: str = "ip") -> str:
+    """Starts ``kalos serve`` on ``data``, which must refuse (exit code 2); its stderr."""
+    proc = subprocess.run(
+        serve_command("other", dim, str(tmp_path / "run"), "--data-dir", str(data), *extra,
+                      metric=metric),
+        capture_output=True, text=True, timeout=TIMEOUT,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    return proc.stderr
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 @pytest.mark.parametrize("transport", ["shm", "uds"])
 def test_writes_survive_a_restart(sidecar: Start, tmp_path: Path, sig: int, transport: str) -> None:
@@ -189,12 +200,8 @@ def test_a_data_dir_keeps_its_dimension(sidecar: Start, tmp_path: Path) -> None:
     with sc.connect(timeout=TIMEOUT) as client:
         client.add(vectors([1]), [1])
     sc.stop()
-    proc = subprocess.run(
-        serve_command("other", DIM + 1, str(tmp_path / "run"), "--data-dir", str(data)),
-        capture_output=True, text=True, timeout=TIMEOUT,
-    )  # fmt: skip
-    assert proc.returncode == 2
-    assert f"dim={DIM}" in proc.stderr and f"dim={DIM + 1}" in proc.stderr
+    stderr = refused(tmp_path, data, DIM + 1)
+    assert f"dim={DIM}" in stderr and f"dim={DIM + 1}" in stderr
 
 
 def test_a_data_dir_keeps_its_dimension_after_a_crash(sidecar: Start, tmp_path: Path) -> None:
@@ -207,12 +214,8 @@ def test_a_data_dir_keeps_its_dimension_after_a_crash(sidecar: Start, tmp_path: 
     assert not [p for p in data.iterdir() if p.name.startswith("snap-")]
     identity = json.loads((data / "identity.json").read_text())
     assert identity == {"dim": DIM, "metric": "l2", "tokenizer": None}
-    proc = subprocess.run(
-        serve_command("other", DIM + 1, str(tmp_path / "run"), "--data-dir", str(data)),
-        capture_output=True, text=True, timeout=TIMEOUT,
-    )  # fmt: skip
-    assert proc.returncode == 2
-    assert f"dim={DIM}" in proc.stderr and f"dim={DIM + 1}" in proc.stderr
+    stderr = refused(tmp_path, data, DIM + 1)
+    assert f"dim={DIM}" in stderr and f"dim={DIM + 1}" in stderr
     # A directory from before identity.json: recovered as it is, and the file written.
     (data / "identity.json").unlink()
     sc = durable(sidecar, data)
@@ -242,13 +245,8 @@ def test_a_tokenizer_change_waits_until_the_log_is_in_a_snapshot(
     sc.stop(signal.SIGKILL, timeout=TIMEOUT)
 
     # The log holds a turn the old tokenizer made ids for: another would replay other ids.
-    proc = subprocess.run(
-        serve_command("other", DIM, str(tmp_path / "run"), "--data-dir", str(data),
-                      "--tokenizer", new, metric="l2"),
-        capture_output=True, text=True, timeout=TIMEOUT,
-    )  # fmt: skip
-    assert proc.returncode == 2, proc.stderr
-    assert "tokenizer='sha256:" in proc.stderr and "Start it once with the tokenizer" in proc.stderr
+    stderr = refused(tmp_path, data, DIM, "--tokenizer", new, metric="l2")
+    assert "tokenizer='sha256:" in stderr and "Start it once with the tokenizer" in stderr
 
     sc = durable(sidecar, data, "--tokenizer", old)  # replays, then a clean stop snapshots
     with sc.connect(timeout=TIMEOUT) as client:
