@@ -39,7 +39,6 @@ from kalos.protocol import messages as M
 from kalos.protocol.codes import Op, error_for_status
 from kalos.protocol.messages import Event, Scope, SessionInfo, StateValue
 from kalos.transport import Tls, Transport, open_transport
-from kalos.transport.base import Response
 
 _monotonic_ns = time.monotonic_ns
 
@@ -204,18 +203,6 @@ class Forgotten(NamedTuple):
 _new_tuple = tuple.__new__
 
 
-def _timings(resp: Response, start_ns: int, end_ns: int) -> Timings:
-    return _new_tuple(
-        Timings,
-        (
-            resp.queue_ns / 1e3,
-            resp.compute_ns / 1e3,
-            resp.write_ns / 1e3,
-            (end_ns - start_ns) / 1e3,
-        ),
-    )
-
-
 class Client:
     """A connection to one sidecar, safe to share between threads (one channel per thread).
 
@@ -359,7 +346,7 @@ class Client:
         off before the thread ends, or every call keeps paying a thread-local lookup."""
         was = getattr(self._local, "stamps", None) is not None
         if on != was:
-            self._local.stamps = (0, 0, 0) if on else None
+            self._local.stamps = (0, None, 0) if on else None
             with self._lock:
                 self._recording += 1 if on else -1
 
@@ -369,7 +356,12 @@ class Client:
         ``time.monotonic_ns()`` clock, while it records (:meth:`record_stages`): the call
         began (before validating and encoding), its request was published (0: the transport
         does not say), its response was seen (before decoding). None when not recording."""
-        return getattr(self._local, "stamps", None)
+        stamps = getattr(self._local, "stamps", None)
+        if stamps is None:
+            return None
+        # The call kept its transport, not the stamp: one method call less per recorded call.
+        start, t, end = stamps
+        return start, 0 if t is None else t.last_sent_ns(), end
 
     def _call(self, t: Transport, op: int, flags: int, n: int, timeout: float | None, start: int):
         # The deadline counts from the call's start: a reconnect before it used part of it.
@@ -378,9 +370,13 @@ class Client:
             raise RequestTimeout("the call's deadline passed while connecting to the sidecar")
         resp = t.request(op, flags, n, timeout=left)
         end = _monotonic_ns()
-        self._local.timings = _timings(resp, start, end)
-        if self._recording and getattr(self._local, "stamps", None) is not None:
-            self._local.stamps = (start, t.last_sent_ns(), end)
+        local = self._local
+        local.timings = _new_tuple(
+            Timings,
+            (resp.queue_ns / 1e3, resp.compute_ns / 1e3, resp.write_ns / 1e3, (end - start) / 1e3),
+        )
+        if self._recording and getattr(local, "stamps", None) is not None:
+            local.stamps = (start, t, end)  # the transport's publish stamp: last_stamps
         if resp.status != _OK:
             raise error_for_status(resp.status, M.decode_text(resp.body, len(resp.body)))
         return resp
