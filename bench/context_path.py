@@ -28,7 +28,9 @@ x 50 turns of ~100 tokens, ``kalos.bench.context.make_sessions``) and its call
 
 Usage: ``python bench/context_path.py [--label before] [--out bench/results]``; prints a
 table and writes ``context-path-<machine>-<date>[-<label>].json`` when ``--out`` is given.
-The VM is noisy: compare medians of several runs minutes apart, never one run.
+It runs with ``PYTHONHASHSEED=0`` unless given another: the hash seed moves the pieces by up
+to ~1 µs from one process to the next. The VM is noisy: compare medians of several runs
+minutes apart, never one run.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import contextlib
 import datetime
 import json
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -237,6 +240,11 @@ def round_trips(sessions: dict, order: list[int], n: int) -> dict[str, Any]:
 
 
 def main() -> None:
+    if "PYTHONHASHSEED" not in os.environ:
+        # The sessions' dict, and so which lookups miss the cache, changes with the hash seed:
+        # one seed for every run (and the sidecar it starts) makes runs comparable.
+        os.environ["PYTHONHASHSEED"] = "0"
+        os.execv(sys.executable, [sys.executable, *sys.argv])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sessions", type=int, default=1_000)
     ap.add_argument("--turns", type=int, default=50)
