@@ -248,7 +248,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sessions", type=int, default=1_000)
     ap.add_argument("--turns", type=int, default=50)
-    ap.add_argument("--iters", type=int, default=20_000, help="calls per piece loop")
+    ap.add_argument("--iters", type=int, default=20_000, help="calls per piece loop; 0: none")
     ap.add_argument("--repeats", type=int, default=5, help="loops per piece")
     ap.add_argument("--round-trips", type=int, default=20_000, help="0: pieces only")
     ap.add_argument("--label", default=None, help="appended to the result file name")
@@ -259,7 +259,7 @@ def main() -> None:
         SimpleNamespace(seed=7, sessions=args.sessions, turns=args.turns, tokens=100)
     )
     rng = np.random.default_rng(8)  # the bench's order: seed + 1
-    order = [int(i) for i in rng.integers(0, args.sessions, size=args.iters)]
+    order = [int(i) for i in rng.integers(0, args.sessions, size=max(args.iters, 1))]
     result: dict[str, Any] = {
         "scenario": "context-path",
         "machine": machine_name(args.machine),
@@ -280,7 +280,7 @@ def main() -> None:
     affinity = sorted(os.sched_getaffinity(0))
     if len(affinity) > 1:
         os.sched_setaffinity(0, affinity[:-1])
-    result["pieces"] = pieces(sessions, order, args.repeats)
+    result["pieces"] = pieces(sessions, order, args.repeats) if args.iters else {}
     os.sched_setaffinity(0, affinity)
     for name, row in result["pieces"].items():
         print(f"{name:16s} {row['median_ns']:8.1f} ns (min {row['min_ns']:.1f})")
