@@ -28,9 +28,10 @@ x 50 turns of ~100 tokens, ``kalos.bench.context.make_sessions``) and its call
 
 Usage: ``python bench/context_path.py [--label before] [--out bench/results]``; prints a
 table and writes ``context-path-<machine>-<date>[-<label>].json`` when ``--out`` is given.
-It runs with ``PYTHONHASHSEED=0`` unless given another: the hash seed moves the pieces by up
-to ~1 µs from one process to the next. The VM is noisy: compare medians of several runs
-minutes apart, never one run.
+It runs with ``PYTHONHASHSEED=0`` unless given another, so that runs differ only in where
+the processes' memory lies, which still moves the sidecar's pieces and its compute by up to
+~0.5 µs from one process to the next. The VM is noisy too: compare medians of several
+alternated runs, never one run.
 """
 
 from __future__ import annotations
@@ -241,8 +242,7 @@ def round_trips(sessions: dict, order: list[int], n: int) -> dict[str, Any]:
 
 def main() -> None:
     if "PYTHONHASHSEED" not in os.environ:
-        # The sessions' dict, and so which lookups miss the cache, changes with the hash seed:
-        # one seed for every run (and the sidecar it starts) makes runs comparable.
+        # One hash seed for every run, and the sidecar it starts: the same dict layouts.
         os.environ["PYTHONHASHSEED"] = "0"
         os.execv(sys.executable, [sys.executable, *sys.argv])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -259,7 +259,8 @@ def main() -> None:
         SimpleNamespace(seed=7, sessions=args.sessions, turns=args.turns, tokens=100)
     )
     rng = np.random.default_rng(8)  # the bench's order: seed + 1
-    order = [int(i) for i in rng.integers(0, args.sessions, size=max(args.iters, 1))]
+    n = max(args.iters, args.round_trips, 1)
+    order = [int(i) for i in rng.integers(0, args.sessions, size=n)]
     result: dict[str, Any] = {
         "scenario": "context-path",
         "machine": machine_name(args.machine),
@@ -280,7 +281,7 @@ def main() -> None:
     affinity = sorted(os.sched_getaffinity(0))
     if len(affinity) > 1:
         os.sched_setaffinity(0, affinity[:-1])
-    result["pieces"] = pieces(sessions, order, args.repeats) if args.iters else {}
+    result["pieces"] = pieces(sessions, order[: args.iters], args.repeats) if args.iters else {}
     os.sched_setaffinity(0, affinity)
     for name, row in result["pieces"].items():
         print(f"{name:16s} {row['median_ns']:8.1f} ns (min {row['min_ns']:.1f})")

@@ -287,7 +287,7 @@ class Client:
         """This thread's channel; a new one (a handshake within ``timeout`` seconds, default
         the client's) when it has none or its last one broke."""
         t: Transport | None = getattr(self._local, "transport", None)
-        if t is not None and not t.broken:
+        if t is not None and not (t._broken or t._closed):  # t.broken, ~0.04 µs cheaper
             return t
         if self._closed:
             raise ClosedError("this client is closed")
