@@ -682,7 +682,7 @@ class Client:
         sb = _EMPTY_SCOPE if scope is None else scope_bytes(scope)
         try:
             t = self._channel(timeout)
-            n = M.encode_context(t.request_buffer, session.encode(), max_tokens, max_turns, sb)
+            n = _encode_context(t.request_buffer, session.encode(), max_tokens, max_turns, sb)
             resp = self._call(t, _CONTEXT, _TURNS if turns else 0, n, timeout, start)
         except _UNAVAILABLE:
             if not self._degrade:
@@ -690,7 +690,7 @@ class Client:
             timings = Timings(0.0, 0.0, 0.0, (_monotonic_ns() - start) / 1e3)
             window = Turns(b"", b"") if turns else None
             return Context(np.empty(0, np.int32), window, timings, False, True)
-        tokens, meta, text, system = M.decode_context_response(resp.body, len(resp.body), t.heap)
+        tokens, meta, text, system = _decode_context_response(resp.body, len(resp.body), t.heap)
         if copy:
             tokens = tokens.copy()
         window = None if meta is None or text is None else Turns(meta, text)
@@ -1067,6 +1067,9 @@ _TURNS = int(codes.ContextFlag.TURNS)
 _CONTEXT = int(Op.CONTEXT)
 _NO_LIMIT = M.NO_LIMIT
 _EMPTY_SCOPE = M.EMPTY_SCOPE
+# The CONTEXT path's codecs, bound once (a module attribute lookup costs ~0.02 µs).
+_encode_context = M.encode_context
+_decode_context_response = M.decode_context_response
 
 
 def _token_ids(tokens: np.ndarray | Sequence[int]) -> np.ndarray:

@@ -73,6 +73,9 @@ _TURNS = int(codes.ContextFlag.TURNS)
 _RECALL_GPU = int(codes.RecallFlag.GPU_RESULT)
 _RECALL_SYSTEM = int(codes.RecallResponseFlag.SYSTEM)
 _RECALL_ON_GPU = int(codes.RecallResponseFlag.TOKENS_ON_GPU)
+# The CONTEXT path's codecs, bound once (a module attribute lookup costs ~0.02 µs).
+_decode_context = M.decode_context
+_encode_context_tokens_response = M.encode_context_tokens_response
 
 
 def status_for(exc: KalosError) -> Status:
@@ -276,7 +279,7 @@ class Dispatcher:
         return M.encode_counts(out, turns, tokens), 0
 
     def _context(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
-        session, max_tokens, max_turns, scope = M.decode_context(body, len(body))
+        session, max_tokens, max_turns, scope = _decode_context(body, len(body))
         reader = self.reader
         if reader is not None:  # a shm channel that maps the token heap
             tokens, n_turns, meta, text, system, heap_at = self.sessions.context_lent(
@@ -290,7 +293,7 @@ class Dispatcher:
             )
             t = _monotonic_ns()
             if meta is None or text is None:
-                n = M.encode_context_tokens_response(out, tokens, n_turns, system, heap_at)
+                n = _encode_context_tokens_response(out, tokens, n_turns, system, heap_at)
             else:
                 n = M.encode_context_response(out, tokens, meta, text, system, heap_at=heap_at)
             return n, t
