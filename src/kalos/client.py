@@ -681,7 +681,9 @@ class Client:
             raise InvalidRequest(f"max_turns must be between 0 and {_NO_LIMIT - 1}, or None")
         sb = _EMPTY_SCOPE if scope is None else scope_bytes(scope)
         try:
-            t = self._channel(timeout)
+            t = getattr(self._local, "transport", None)  # _channel's fast path, inline
+            if t is None or t._broken or t._closed:
+                t = self._channel(timeout)
             n = _encode_context(t.request_buffer, session.encode(), max_tokens, max_turns, sb)
             resp = self._call(t, _CONTEXT, _TURNS if turns else 0, n, timeout, start)
         except _UNAVAILABLE:
