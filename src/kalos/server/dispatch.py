@@ -37,6 +37,7 @@ from kalos.stores.state import StateStore
 log = logging.getLogger("kalos.server")
 
 _monotonic_ns = time.monotonic_ns
+_time_ns = time.time_ns
 
 _ERROR_STATUS: tuple[tuple[type[KalosError], Status], ...] = (
     (PayloadTooLarge, Status.PAYLOAD_TOO_LARGE),
@@ -167,7 +168,7 @@ class Dispatcher:
         (kalos.stores.token_heap): a CONTEXT may then answer with the ids by reference.
         """
         t0 = _monotonic_ns()
-        self.now_ns = time.time_ns() if now_ns is None else now_ns
+        self.now_ns = _time_ns() if now_ns is None else now_ns
         self.gpu_buffer = gpu_buffer
         self.pinned = pinned
         self.reader = reader
