@@ -633,6 +633,13 @@ def encode_context(
     buf: np.ndarray, session: bytes, max_tokens: int, max_turns: int, sb: ScopeBytes
 ) -> int:
     """Writes a CONTEXT body with one struct call; returns its length."""
+    if sb is EMPTY_SCOPE:  # the common case: no filter
+        c = len(session)
+        s = _CONTEXT_STRUCTS.get(c) or _context_struct(c)
+        if s.size > len(buf):
+            _fit(s.size, len(buf), "context request")
+        s.pack_into(buf, 0, max_tokens, max_turns, 0, 0, 0, c, 0, session)
+        return s.size
     a, b, c = len(sb.tenant), len(sb.user), len(session)
     s = _CONTEXT_STRUCTS.get(a + b + c) or _context_struct(a + b + c)
     if s.size > len(buf):
@@ -659,22 +666,29 @@ the other CONTEXT helpers' results: a NamedTuple costs ~0.25 µs to build on thi
 def decode_context(buf: np.ndarray, end: int) -> ContextRequest:
     if end < 32:
         _need(32, end)
-    max_tokens, max_turns, _, a, b, c, _ = _CTX_HEAD.unpack_from(buf, 0)
+    # The body is small (header, scope): one copy into bytes, then every field is read from
+    # that, ~0.1 µs less than unpacking the numpy view and copying the session id out of it.
+    raw = (buf if len(buf) == end else buf[:end]).tobytes()
+    max_tokens, max_turns, _, a, b, c, _ = _unpack_ctx_head(raw)
     if 32 + a + b + c > end:
         _need(32 + a + b + c, end)
     try:
         if a or b:
-            raw = buf[32 : 32 + a + b + c].tobytes()
-            session = raw[a + b :].decode()
-            scope = Scope(raw[:a].decode() or None, raw[a : a + b].decode() or None)
+            session = raw[32 + a + b : 32 + a + b + c].decode()
+            scope = Scope(
+                raw[32 : 32 + a].decode() or None, raw[32 + a : 32 + a + b].decode() or None
+            )
         else:  # the common case: no filter
-            session = buf[32 : 32 + c].tobytes().decode()
+            session = raw[32 : 32 + c].decode()
             scope = None
     except UnicodeDecodeError as exc:
         raise InvalidRequest("scope is not valid UTF-8") from exc
     if not session:
         raise InvalidRequest("a session id is required")
     return session, max_tokens, None if max_turns == NO_LIMIT else max_turns, scope
+
+
+_unpack_ctx_head = _CTX_HEAD.unpack_from
 
 
 def encode_context_response(
@@ -777,6 +791,11 @@ def decode_context_response(
     one: ids by reference become a slice of it (a view: ~0.1 µs, a third of frombuffer's)."""
     if end >= 32:  # one struct call for the header and, by reference, the ids' offset
         nm, nt, has_system, form, at, _ = _unpack_lent(buf, 0)
+        if form == _IN_HEAP:  # by reference, no turns: the shm fast path
+            i = at >> 2
+            if heap is None or at & 3 or i + nt > len(heap):
+                _bad_heap_ref(at, nt, heap)
+            return heap[i : i + nt], None, None, False
     else:
         if end < 16:
             _need(16, end)
@@ -788,8 +807,6 @@ def decode_context_response(
         i = at >> 2
         if heap is None or at & 3 or i + nt > len(heap):
             _bad_heap_ref(at, nt, heap)
-        if form == _IN_HEAP:  # no turns: the shm fast path
-            return heap[i : i + nt], None, None, False
         _need(32 + 16 * nm, end)
         mv = memoryview(buf)
         meta = bytes(mv[32 : 32 + 16 * nm])

@@ -45,7 +45,8 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def request(self, op: int, flags: int, body_len: int, *, timeout: float) -> Response:
-        """Sends the body in ``request_buffer[:body_len]`` and waits for the response.
+        """Sends the body in ``request_buffer[:body_len]`` and waits for the response (its
+        body, and over shm the Response itself, valid until the next request).
 
         ``timeout`` is in seconds. Raises ClosedError, RequestTimeout, SidecarGone. After a
         timeout or a lost sidecar the transport is broken (``broken`` is True): the caller

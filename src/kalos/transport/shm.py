@@ -125,6 +125,9 @@ class ShmTransport(Transport):
         self._seq = _load(self._req_seq)
         self._spin_ns = int(spin_us * 1000)
         self._sent_ns = 0  # when the last request was published (last_sent_ns)
+        # The Response of every request, refilled: like its body, valid until the next request
+        # (~0.1 µs less than building one per call).
+        self._response = Response(0, self._resp_arena[:0], 0, 0, 0)
 
     def request(self, op: int, flags: int, body_len: int, *, timeout: float) -> Response:
         if self._closed or self._broken:
@@ -144,7 +147,13 @@ class ShmTransport(Transport):
         ):
             self._wait_slow(seq, deadline)
         status, _flags, n, queue_ns, compute_ns, write_ns = _unpack_response(buf, _RESP_STATUS)
-        return Response(status, self._resp_arena[:n], queue_ns, compute_ns, write_ns)
+        r = self._response
+        r.status = status
+        r.body = self._resp_arena[:n]
+        r.queue_ns = queue_ns
+        r.compute_ns = compute_ns
+        r.write_ns = write_ns
+        return r
 
     def last_sent_ns(self) -> int:
         return self._sent_ns  # the publish stamp of the last request's header, kept
