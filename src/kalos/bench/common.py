@@ -167,10 +167,31 @@ def print_table(
 def add_affinity_argument(p: Any, servers: str = "the sidecar", cpus: str = "last CPU") -> None:
     """The benchmarks' ``--affinity`` option (see :func:`split_cpus`); ``servers`` names what
     runs on this process's ``cpus``, for the help text."""
-    p.add_argument("--affinity", choices=("split", "none"), default="split",
+    p.add_argument("--affinity", type=_affinity, default="split",
                    help=f"split: {servers} on this process's {cpus}, the calling threads on "
-                   "the others (client and server never share a core); none: wherever the "
-                   "scheduler puts them")  # fmt: skip
+                   "the others (client and server never share a core); cpus:A,B,...: "
+                   f"{servers} on those CPUs, the calling threads on the others; none: "
+                   "wherever the scheduler puts them")  # fmt: skip
+
+
+def _affinity(mode: str) -> str:
+    """An ``--affinity`` value, checked (argparse reports the ValueError)."""
+    if mode not in ("split", "none"):
+        _listed_cpus(mode)
+    return mode
+
+
+def _listed_cpus(mode: str) -> list[int]:
+    """The CPUs of a ``cpus:A,B,...`` affinity."""
+    if not mode.startswith("cpus:"):
+        raise ValueError(f"affinity must be split, none or cpus:A,B,..., not {mode!r}")
+    try:
+        cpus = sorted({int(c) for c in mode[5:].split(",") if c.strip()})
+    except ValueError:
+        raise ValueError(f"affinity {mode!r}: CPUs must be integers") from None
+    if not cpus:
+        raise ValueError(f"affinity {mode!r} names no CPU")
+    return cpus
 
 
 def split_cpus(mode: str, server_cpus: int = 1) -> tuple[list[int], list[int]] | None:
@@ -178,12 +199,16 @@ def split_cpus(mode: str, server_cpus: int = 1) -> tuple[list[int], list[int]] |
     (the sidecar's process, and a baseline's server beside it) the last ``server_cpus`` CPUs
     this process may use and the benchmark's own threads the others, so that a client and its
     server never share a core (a spinning client and a spinning sidecar on one core wait out
-    each other's spins: ~280 µs a call); None for "none", or without a CPU left for each."""
+    each other's spins: ~280 µs a call); "cpus:A,B,..." gives the servers those CPUs instead
+    (a host whose last CPUs are its busiest); None for "none", or without a CPU left for each."""
     if mode == "none":
         return None
-    if mode != "split":
-        raise ValueError(f"affinity must be 'split' or 'none', not {mode!r}")
     cpus = sorted(os.sched_getaffinity(0))
+    if mode != "split":
+        servers = _listed_cpus(mode)
+        if not set(servers) < set(cpus):
+            raise ValueError(f"affinity {mode!r}: needs CPUs of {cpus}, with one left over")
+        return [c for c in cpus if c not in servers], servers
     if len(cpus) <= server_cpus:
         return None
     return cpus[:-server_cpus], cpus[-server_cpus:]
