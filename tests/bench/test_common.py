@@ -3,6 +3,7 @@ concurrent interleaved runner and the plot writer. No Redis needed."""
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import os
@@ -18,6 +19,7 @@ from kalos.bench.common import (
     STAGES,
     Progress,
     System,
+    add_affinity_argument,
     pin_process,
     run_interleaved,
     split_cpus,
@@ -233,6 +235,20 @@ def test_split_cpus_gives_the_servers_the_last_cpu(monkeypatch):
     assert split_cpus("split") is None  # one CPU: nothing to split
     with pytest.raises(ValueError, match="split"):
         split_cpus("spread")
+
+
+def test_split_cpus_on_listed_cpus(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 0, 5})
+    assert split_cpus("cpus:3,0") == ([5], [0, 3])  # whatever server_cpus says
+    for bad, why in (("cpus:3,0,5", "one left over"), ("cpus:4", "one left over"),
+                     ("cpus:", "no CPU"), ("cpus:a", "integers")):  # fmt: skip
+        with pytest.raises(ValueError, match=why):
+            split_cpus(bad)
+    parser = argparse.ArgumentParser()
+    add_affinity_argument(parser)
+    assert parser.parse_args(["--affinity", "cpus:1,2"]).affinity == "cpus:1,2"
+    with pytest.raises(SystemExit):  # argparse reports a bad value and exits
+        parser.parse_args(["--affinity", "cpus:x"])
 
 
 def test_pin_process_pins_every_thread_of_a_child():
