@@ -403,22 +403,8 @@ class SessionStore:
         window has no system prompt, whose ids live apart) the offset is theirs and the
         region is lent to ``reader`` (:meth:`TokenHeap.lend`): the response may carry the
         offset instead of the ids. Otherwise -1: the ids travel as a copy."""
-        # _window, inline: this is the CONTEXT hot path (a call and a tuple: ~0.1 µs).
-        s = self._sessions.get(session)
-        if s is None or s.expires_at <= now or (scope is not None and not s.matches(scope)):
-            raise NotFound(f"session {session!r} does not exist")
-        budget = max_tokens
-        system = s.system
-        if system is not None:
-            if system.n_tokens <= budget:
-                budget -= system.n_tokens
-            else:
-                system = None
+        s, first, n, system = self._window(session, max_tokens, max_turns, now, scope)
         cum = s.tok_cum
-        n = len(cum) - 1
-        first = bisect_left(cum, cum[n] - budget, s.first, n)
-        if max_turns is not None and n - first > max_turns:
-            first = n - max_turns
         t0 = cum[first]
         at = s.tok_at
         if at >= 0 and system is None:
@@ -448,8 +434,7 @@ class SessionStore:
         scope: Scope | None,
     ) -> tuple[Session, int, int, SystemPrompt | None]:
         """The window of :meth:`context` as (the session, its first and end turn, the system
-        prompt when it fits): reads only the token offsets. :meth:`context_lent` has it
-        inline: change both."""
+        prompt when it fits): reads only the token offsets."""
         s = self._sessions.get(session)
         if s is None or s.expires_at <= now or (scope is not None and not s.matches(scope)):
             raise NotFound(f"session {session!r} does not exist")
