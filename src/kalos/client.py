@@ -287,7 +287,7 @@ class Client:
         """This thread's channel; a new one (a handshake within ``timeout`` seconds, default
         the client's) when it has none or its last one broke."""
         t: Transport | None = getattr(self._local, "transport", None)
-        if t is not None and not (t._broken or t._closed):  # t.broken, ~0.04 µs cheaper
+        if t is not None and not t.broken:
             return t
         if self._closed:
             raise ClosedError("this client is closed")
@@ -346,7 +346,7 @@ class Client:
         off before the thread ends, or every call keeps paying a thread-local lookup."""
         was = getattr(self._local, "stamps", None) is not None
         if on != was:
-            self._local.stamps = (0, None, 0) if on else None
+            self._local.stamps = (0, 0, 0) if on else None
             with self._lock:
                 self._recording += 1 if on else -1
 
@@ -356,12 +356,7 @@ class Client:
         ``time.monotonic_ns()`` clock, while it records (:meth:`record_stages`): the call
         began (before validating and encoding), its request was published (0: the transport
         does not say), its response was seen (before decoding). None when not recording."""
-        stamps = getattr(self._local, "stamps", None)
-        if stamps is None:
-            return None
-        # The call kept its transport, not the stamp: one method call less per recorded call.
-        start, t, end = stamps
-        return start, 0 if t is None else t.last_sent_ns(), end
+        return getattr(self._local, "stamps", None)
 
     def _call(self, t: Transport, op: int, flags: int, n: int, timeout: float | None, start: int):
         # The deadline counts from the call's start: a reconnect before it used part of it.
@@ -376,7 +371,7 @@ class Client:
             (resp.queue_ns / 1e3, resp.compute_ns / 1e3, resp.write_ns / 1e3, (end - start) / 1e3),
         )
         if self._recording and getattr(local, "stamps", None) is not None:
-            local.stamps = (start, t, end)  # the transport's publish stamp: last_stamps
+            local.stamps = (start, t.last_sent_ns(), end)
         if resp.status != _OK:
             raise error_for_status(resp.status, M.decode_text(resp.body, len(resp.body)))
         return resp
@@ -681,9 +676,7 @@ class Client:
             raise InvalidRequest(f"max_turns must be between 0 and {_NO_LIMIT - 1}, or None")
         sb = _EMPTY_SCOPE if scope is None else scope_bytes(scope)
         try:
-            t = getattr(self._local, "transport", None)  # _channel's fast path, inline
-            if t is None or t._broken or t._closed:
-                t = self._channel(timeout)
+            t = self._channel(timeout)
             n = _encode_context(t.request_buffer, session.encode(), max_tokens, max_turns, sb)
             resp = self._call(t, _CONTEXT, _TURNS if turns else 0, n, timeout, start)
         except _UNAVAILABLE:

@@ -791,11 +791,6 @@ def decode_context_response(
     one: ids by reference become a slice of it (a view: ~0.1 µs, a third of frombuffer's)."""
     if end >= 32:  # one struct call for the header and, by reference, the ids' offset
         nm, nt, has_system, form, at, _ = _unpack_lent(buf, 0)
-        if form == _IN_HEAP:  # by reference, no turns: the shm fast path
-            i = at >> 2
-            if heap is None or at & 3 or i + nt > len(heap):
-                _bad_heap_ref(at, nt, heap)
-            return heap[i : i + nt], None, None, False
     else:
         if end < 16:
             _need(16, end)
@@ -807,6 +802,8 @@ def decode_context_response(
         i = at >> 2
         if heap is None or at & 3 or i + nt > len(heap):
             _bad_heap_ref(at, nt, heap)
+        if form == _IN_HEAP:  # by reference, no turns: the shm fast path
+            return heap[i : i + nt], None, None, False
         _need(32 + 16 * nm, end)
         mv = memoryview(buf)
         meta = bytes(mv[32 : 32 + 16 * nm])
