@@ -81,6 +81,21 @@ def test_context_request_golden_bytes() -> None:
     )
 
 
+@pytest.mark.parametrize("session", ["s", "x" * 300])  # the decode's first copy is 256 bytes
+@pytest.mark.parametrize("scope", [None, Scope("t" * 200, "u")])
+def test_context_request_round_trip_long_ids_and_a_padded_body(
+    session: str, scope: Scope | None
+) -> None:
+    buf = arena(1 << 20)
+    sb = M.EMPTY_SCOPE if scope is None else M.encode_scope_fields(scope)
+    n = M.encode_context(buf, session.encode(), 100, 5, sb)
+    want = (session, 100, 5, None if scope is None else Scope(scope.tenant, scope.user))
+    assert M.decode_context(buf[:n], n) == want
+    assert M.decode_context(buf, len(buf)) == want  # trailing bytes: ignored, not copied
+    with pytest.raises(InvalidRequest, match="truncated"):
+        M.decode_context(buf[: n - 8], n - 8)
+
+
 def test_context_response_golden_layout() -> None:
     buf = np.full(256, 0xEE, np.uint8)  # stale bytes: the padding must be zeroed
     system = (1, struct.pack("<i", 7), struct.pack("<IIII", 1, 2, 1, 0), b"Sab")
