@@ -200,7 +200,7 @@ def split_cpus(mode: str, server_cpus: int = 1) -> tuple[list[int], list[int]] |
     this process may use and the benchmark's own threads the others, so that a client and its
     server never share a core (a spinning client and a spinning sidecar on one core wait out
     each other's spins: ~280 µs a call); "cpus:A,B,..." gives the servers those CPUs instead
-    (a host whose last CPUs are its busiest); None for "none", or without a CPU left for each."""
+    (to place them by hand); None for "none", or without a CPU left for each."""
     if mode == "none":
         return None
     cpus = sorted(os.sched_getaffinity(0))
