@@ -319,9 +319,12 @@ def test_killed_sidecar_degrades_raises_then_reconnects(tmp_path: Path) -> None:
 
     async def main() -> None:
         with isolated_sidecar(dim=DIM, name="phoenix", runtime_dir=runtime_dir) as first:
+            # One channel thread: a call whose thread is not back in the pool yet would start
+            # a new one, with no broken channel to reopen (reconnects would stay 0).
             c = await kalos.connect_async(
-                "phoenix", runtime_dir=runtime_dir, timeout=2.0, on_unavailable="degrade"
-            )
+                "phoenix", runtime_dir=runtime_dir, timeout=2.0, on_unavailable="degrade",
+                max_channels=1,
+            )  # fmt: skip
             await c.add(q, 1, "one")
             assert (await c.search(q, k=1)).ids.tolist() == [1]
             epoch = c.epoch
