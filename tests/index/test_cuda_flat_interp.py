@@ -7,72 +7,24 @@ the storage-rounded vectors; outputs are poisoned first, so an unwritten element
 
 from __future__ import annotations
 
-import os
+# isort: off
+from triton_interp import torch, triton  # noqa: F401  (first: sets TRITON_INTERPRET)
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
-
-import inspect
+# isort: on
 
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-triton = pytest.importorskip("triton")
-if not hasattr(triton.runtime, "interpreter"):  # not imported when triton was imported first
-    import triton.runtime.interpreter
-
-from kalos.errors import ConfigError, InvalidRequest, NotFound  # noqa: E402
-from kalos.index.cuda_flat import parse_spec  # noqa: E402
-
-if not getattr(triton.runtime.interpreter, "_patch_lang_tensor", None):  # pragma: no cover
-    pytest.skip("this triton has no interpreter", allow_module_level=True)
-
-
-def _interpreter_numpy_compat() -> None:
-    """Triton < 3.7's interpreter turns a loaded scalar (a 1-element array) into a range bound
-    with int(array), which numpy >= 2.4 refuses; newer Triton squeezes first. Do the same."""
-    interp = triton.runtime.interpreter
-    if "squeeze" in inspect.getsource(interp._patch_lang_tensor):
-        return
-    original = interp._patch_lang_tensor
-
-    def patched(tensor, scope):  # type: ignore[no-untyped-def]
-        original(tensor, scope)
-        scope.set_attr(
-            tensor, "__index__", lambda self: int(np.asarray(self.handle.data).squeeze())
-        )
-
-    interp._patch_lang_tensor = patched
-
-
-_interpreter_numpy_compat()
-
-
-def _ensure_interpreted_kernels() -> None:
-    """If another test imported the kernels before TRITON_INTERPRET was set, they were built
-    for a GPU: import them again, now as interpreted functions."""
-    import importlib
-    import sys
-
-    mod = sys.modules.get("kalos.index.kernels.scan_topk")
-    if mod is None or isinstance(
-        mod._scan_topk_kernel, triton.runtime.interpreter.InterpretedFunction
-    ):
-        return
-    importlib.reload(mod)
-    importlib.reload(sys.modules["kalos.index.kernels"])
-
-
-_ensure_interpreted_kernels()
-
-
 # The float64 reference and the search checker, shared with the GPU tests.
-from cuda_reference import (  # noqa: E402
+from cuda_reference import (
     check_graph_search,
+    check_result,
     check_search,
     make_index,
     ref_scores,
 )
+from kalos.errors import ConfigError, InvalidRequest, NotFound
+from kalos.index.cuda_flat import parse_spec
 
 
 def test_parse_spec():
@@ -554,6 +506,45 @@ def test_prefilter_falls_back_to_the_full_scan_when_the_bound_cannot_prove():
     g = check_graph_search(idx, x, ids, None, base[None], 10)
     assert g.prefilter and g.fallbacks == 1
     assert (idx.prefilter_searches, idx.prefilter_fallbacks) == (1, 1)  # the metrics' counts
+
+
+def test_prefilter_publishes_the_sequence_only_when_proven():
+    from kalos.index.cuda_flat import SearchGraph
+
+    # publish=(seq, dest): a proven prefilter search stores seq into dest (the response's
+    # sequence word of a channel, on a GPU), the results already written; an unproven one,
+    # and the full scan it replays, leave dest alone (the sidecar publishes then)
+    rng = np.random.default_rng(8)
+    dim = 64
+    base = rng.standard_normal(dim).astype(np.float32)
+    near = base + 1e-3 * rng.standard_normal((150, dim)).astype(np.float32)
+    x = np.concatenate([near, rng.standard_normal((250, dim)).astype(np.float32)])
+    ids = rng.permutation(400).astype(np.int64) + 1
+    idx = make_index("ip", "fp32", dim, "cpu")
+    idx.add(x, ids)
+    idx.prefilter_min_rows = 0
+    seq = torch.zeros(1, dtype=torch.int64)
+    dest = torch.zeros(1, dtype=torch.int64)
+    g = SearchGraph(idx, 1, 10, False, prefilter=True, publish=(seq, dest))
+    assert g.publish is not None
+    far = rng.standard_normal(dim).astype(np.float32)  # random: proven
+    for i, q in enumerate([far, -far], start=41):
+        seq[0] = i
+        g.query.copy_(torch.from_numpy(q[None]))
+        g.ids.fill_(-7)
+        assert g.replay_and_wait(None) is True
+        assert int(dest[0]) == i and not (g.ids == -7).any()
+        check_result(idx, x, ids, None, q[None], 10, g.scores.numpy(), g.ids.numpy())
+    seq[0] = 99  # the near-copies' direction: not proven, the full scan answers
+    g.query.copy_(torch.from_numpy(base[None]))
+    assert g.replay_and_wait(None) is False
+    assert int(dest[0]) == 42 and g.fallbacks == 1
+    check_result(idx, x, ids, None, base[None], 10, g.scores.numpy(), g.ids.numpy())
+    # a graph without the prefilter has nothing to publish with; the full scan refuses it
+    assert SearchGraph(idx, 1, 10, False, publish=(seq, dest)).publish is None
+    ws = idx._workspace(1, 10)
+    with pytest.raises(ValueError, match="publish needs the prefilter"):
+        idx._launch(g.query, 10, idx._no_filter, False, g.scores, g.ids, ws, None, (seq, dest))
 
 
 def test_prefilter_only_where_it_applies():

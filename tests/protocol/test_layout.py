@@ -287,8 +287,9 @@ def test_shared_words_are_8_byte_aligned() -> None:
 
 
 def test_protocol_version_and_limits() -> None:
-    assert codes.PROTOCOL_VERSION == (1, 2)
+    assert codes.PROTOCOL_VERSION == (1, 3)
     assert codes.MAX_K == 1024
+    assert {f.name: int(f) for f in codes.ResponseFlag} == {"DEVICE_PUBLISHED": 1}
 
 
 def test_op_codes() -> None:
@@ -325,7 +326,7 @@ def test_every_code_enum_is_pinned() -> None:
     enums = {n for n, v in vars(codes).items() if isinstance(v, type) and issubclass(v, enum.Enum)}
     assert enums == {
         "Op", "Status", "AppendFlag", "ContextFlag", "ContextForm", "RecallFlag",
-        "RecallResponseFlag",
+        "RecallResponseFlag", "ResponseFlag",
     }  # fmt: skip
 
 

@@ -310,10 +310,12 @@ def test_gpu_families_count_prefilter_searches_even_without_memory_figures() -> 
 
     index = SimpleNamespace(prefilter_searches=7, prefilter_fallbacks=2)
     stand_in = SimpleNamespace(config=SimpleNamespace(device="cuda:0"),
-                               memories=SimpleNamespace(index=index))  # fmt: skip
+                               memories=SimpleNamespace(index=index),
+                               poller=SimpleNamespace(device_published=5))  # fmt: skip
     collector = SidecarCollector(stand_in, None)  # type: ignore[arg-type]
     got = {f.name: f.samples[0].value for f in collector._gpu_families()}
     assert got["kalos_gpu_prefilter_searches"] == 7
     assert got["kalos_gpu_prefilter_fallbacks"] == 2
+    assert got["kalos_gpu_published_responses"] == 5
     cpu = SimpleNamespace(config=SimpleNamespace(device="cpu"))
     assert list(SidecarCollector(cpu, None)._gpu_families()) == []  # type: ignore[arg-type]

@@ -25,7 +25,7 @@ from conftest import DIM, TIMEOUT, stop_process
 from kalos import _native
 from kalos.errors import ConnectError, SidecarGone
 from kalos.protocol import layout as L
-from kalos.protocol.codes import Op, Status
+from kalos.protocol.codes import PROTOCOL_VERSION, Op, Status
 from kalos.server import Sidecar, SidecarConfig
 from kalos.testing import RunningSidecar
 from kalos.transport.handshake import recv_message, send_message
@@ -236,7 +236,7 @@ def test_control_segment_and_channel_header(sidecar: Start) -> None:
         ctrl = t._ctrl  # type: ignore[attr-defined]
         (magic, layout, major, minor, epoch, pid, state, dim, metric, max_k, zero,
          start_ns) = L.CTRL_HEADER.unpack_from(ctrl.buf, 0)  # fmt: skip
-        assert (magic, layout, major, minor) == (b"KALO", 1, 1, 2)
+        assert (magic, layout, major, minor) == (b"KALO", 1, *PROTOCOL_VERSION)
         assert epoch == client.info["epoch"] != 0
         assert pid == sc.process.pid
         assert state == L.STATE_READY

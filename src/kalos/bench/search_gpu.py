@@ -220,9 +220,14 @@ def _run_size(args: argparse.Namespace, torch: Any, n: int, dim: int, bw: float)
                     fn(i)
                     timings.append(client.last_timings)
 
+                published = client.stats().get("gpu_published", 0)
                 samples, wall = _host_times(timed, args.queries)
+                published = client.stats().get("gpu_published", 0) - published
                 rows.append(summarize(name, samples, wall))
                 stages[name] = _stage_medians(timings)
+                # calls the kernel answered itself: their compute stage ends at the launch,
+                # and the kernel's time falls in the client's share (docs/PROTOCOL.md)
+                stages[name]["gpu_published"] = published
             client.close()
     rows.append({"system": "bandwidth-floor", "p50_us": round(floor_us, 3),
                  "bytes": n * dim * 2, "copy_bandwidth_TBps": round(bw / 1e12, 3)})  # fmt: skip

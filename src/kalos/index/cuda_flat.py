@@ -537,9 +537,11 @@ class CudaFlatIndex:
         ids: Any,
         ws: dict[str, Any],
         status: Any = None,
+        publish: Any = None,
     ) -> None:
         # q: [nq, dim] (nq <= max batch); scores: [nq, k] fp32; ids: [nq, k] int64;
-        # status: [1] int32, set by the prefilter's scan (a prefilter workspace)
+        # status: [1] int32, set by the prefilter's scan (a prefilter workspace); publish:
+        # (seq, dest), the prefilter's scan stores seq at dest once proven (kernels.scan_topk)
         torch = self._torch
         kern = self._k
         nq = q.shape[0]
@@ -568,6 +570,7 @@ class CudaFlatIndex:
                 cfg=ws["cfg"],
                 final=(ws["ticket"], self._ids, scores, ids),
                 prefilter=prefilter,
+                publish=publish,
             )
             if fused:
                 return
@@ -678,6 +681,12 @@ class SearchGraph:
     those; the bound is loose where many rows score within ~1% of the k-th best). The result
     is the full scan's, up to the order of exact ties.
 
+    ``publish`` (with ``prefilter``): (seq [1] int64 on the device, dest [1] int64 in host
+    memory registered for the GPU). A proven prefilter search then stores seq into dest once
+    its results are visible to the host (:func:`kernels.scan_topk`): a response's sequence
+    word, so that the client reads the response before this process has seen the stream end.
+    :meth:`replay_and_wait` says whether that happened.
+
     The graph reads the live count from the device, so adds and removes that fit the current
     capacity need nothing; when the index reallocates its storage, the next replay recaptures
     (a one-off cost: a kernel run and a capture, some ms).
@@ -695,6 +704,7 @@ class SearchGraph:
         scores: Any = None,
         ids: Any = None,
         prefilter: bool = False,
+        publish: tuple[Any, Any] | None = None,
     ) -> None:
         torch = index._torch
         if not isinstance(nq, int) or not 1 <= nq <= index._max_batch:
@@ -705,6 +715,8 @@ class SearchGraph:
         self.scope_active = bool(scope_active)
         self.prefilter = bool(prefilter) and index.prefilter_ok(nq, self.k)
         self.fallbacks = 0  # prefiltered searches that replayed the full scan
+        # the prefilter stores a sequence number once proven (see the class doc)
+        self.publish = publish if self.prefilter and index._k.publish_ok() else None
         dev = index.device
 
         def buffer(given: Any, shape: tuple[int, ...], dtype: Any) -> Any:
@@ -744,8 +756,9 @@ class SearchGraph:
         filt = self.scope if self.scope_active else self.index._no_filter
         ws = self._ws[1] if prefilter else self._ws[0]
         self.index._launch(
-            self.query, self.k, filt, self.scope_active, self.scores, self.ids, ws, self._status
-        )
+            self.query, self.k, filt, self.scope_active, self.scores, self.ids, ws, self._status,
+            self.publish if prefilter else None,
+        )  # fmt: skip
 
     def _capture(self) -> None:
         """The full scan's workspace and graph; the prefilter's come on first use (_ensure),
@@ -793,12 +806,15 @@ class SearchGraph:
         else:
             self._graphs[0].replay()
 
-    def replay_and_wait(self, stream: Any) -> None:
+    def replay_and_wait(self, stream: Any) -> bool:
         """:meth:`replay` on ``stream`` (torch's current stream, as there), then wait for it:
         launched and waited for through the driver (:func:`kalos.gpu.driver.graph_launcher`),
         which saves torch's per-replay bookkeeping: at 1M x 128 on the H200, replay + sync
         87.3 µs against 92.2 with torch's (bench/NOTES-gpu.md, run 7). A prefiltered graph
-        runs the prefilter first and the full scan only when its result is not proven."""
+        runs the prefilter first and the full scan only when its result is not proven.
+
+        Returns whether the answer is the proven prefilter's: with ``publish``, the kernel has
+        then stored the sequence number (the full scan never does)."""
         index = self.index
         prefilter = self.prefilter and index._n >= index.prefilter_min_rows
         self._ensure(prefilter)
@@ -807,11 +823,11 @@ class SearchGraph:
                 index.prefilter_searches += 1
                 self._run(True)
                 if self._status_np[0] == 1:
-                    return
+                    return True
                 self.fallbacks += 1
                 index.prefilter_fallbacks += 1
             self._run()
-            return
+            return False
         if not self._launchers:
             from kalos.gpu import driver
 
@@ -823,10 +839,11 @@ class SearchGraph:
             index.prefilter_searches += 1
             self._launchers[1]()
             if self._status_np[0] == 1:
-                return
+                return True
             self.fallbacks += 1
             index.prefilter_fallbacks += 1
         self._launchers[0]()
+        return False
 
 
 # ---------------------------------------------------------------------------------- helpers

@@ -12,7 +12,8 @@ from kalos import errors
 
 # (major, minor). A client and a sidecar talk when their majors are equal; the minor is
 # negotiated down to the smaller of the two. docs/PROTOCOL.md says what a minor may change.
-PROTOCOL_VERSION = (1, 2)  # 1.1: RECALL, ADD with token ids; 1.2: the token heap
+# 1.1: RECALL, ADD with token ids; 1.2: the token heap; 1.3: response flag DEVICE_PUBLISHED
+PROTOCOL_VERSION = (1, 3)
 
 MAX_K = 1024  # largest k a search may ask for
 
@@ -91,6 +92,15 @@ class ContextForm(enum.IntFlag):
 
     TURNS = 1  # the turns' meta and text follow the token ids
     TOKENS_IN_HEAP = 2  # the ids are in the token heap: u64 byte offset, u64 0 replace them
+
+
+class ResponseFlag(enum.IntFlag):
+    """Flags in a response's header (the channel's response line; the frames' flags)."""
+
+    # The GPU wrote this response's sequence word (a cuda sidecar's search whose kernel
+    # published it): its compute_ns is the sidecar's time up to the kernel's launch, and the
+    # kernel's own time falls in the client's share of the round trip.
+    DEVICE_PUBLISHED = 1
 
 
 class RecallFlag(enum.IntFlag):

@@ -401,6 +401,13 @@ class SidecarCollector:
             c = CounterMetricFamily(name, help_text, labels=("device",))
             c.add_metric((device,), getattr(index, attr, 0))
             yield c
+        c = CounterMetricFamily(
+            "kalos_gpu_published_responses",
+            "Responses whose sequence word the search kernel stored itself (shm channels)",
+            labels=("device",),
+        )
+        c.add_metric((device,), self._sidecar.poller.device_published)
+        yield c
         try:
             import torch
 

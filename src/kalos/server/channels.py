@@ -106,6 +106,7 @@ class Poller:
         self._heartbeat_ns = int(heartbeat_ms * 1e6)
         self.channels: tuple[ServerChannel, ...] = ()
         self.stopping = False
+        self.device_published = 0  # responses whose sequence word the GPU stored
         a = control.addr
         self._parked = a + L.CTRL_SERVER_PARKED
         self._bell = a + L.CTRL_BELL
@@ -220,6 +221,7 @@ class Poller:
         buf = ch.buf
         op, flags, body_len, publish_ns, deadline_ns = _unpack_request(buf, _REQ_OP)
         queue_ns = picked - publish_ns if 0 < publish_ns <= picked else 0
+        published = False
         if body_len > ch.arena_bytes:
             if self.metrics is not None:
                 self.metrics.oversized += 1
@@ -231,6 +233,9 @@ class Poller:
             n = encode_text(ch.resp_arena, "the request's deadline passed before it was served")
             compute_ns = write_ns = 0
         else:
+            pinned = ch.pinned
+            if pinned is not None:  # a cuda sidecar: its GPU may publish a search's response
+                pinned.arm(seq, queue_ns, picked)
             lock = self._lock  # acquire/release: ~0.08 µs less than a with block
             lock.acquire()
             try:
@@ -240,7 +245,7 @@ class Poller:
                     ch.req_arena[:body_len],
                     ch.resp_arena,
                     gpu_buffer=ch.gpu,
-                    pinned=ch.pinned,
+                    pinned=pinned,
                     reader=ch.reader,
                 )
                 lsn = self._journal.last_lsn if self._journal is not None else 0
@@ -251,7 +256,15 @@ class Poller:
                 ch.requests += 1
                 self._held.append((lsn, ch, seq, status, n, queue_ns, compute_ns, write_ns))
                 return
-        _pack_response(buf, _RESP_STATUS, status, 0, n, queue_ns, compute_ns, write_ns)
+            # The GPU may have published the response: it stored the sequence word after the
+            # header written before its launch (gpu_search.PinnedArena), and the client may
+            # have read them already, so the header stays as it is; the publish below stores
+            # the same value again, which wakes a parked client.
+            published = pinned is not None and pinned.published
+            if published:
+                self.device_published += 1
+        if not published:
+            _pack_response(buf, _RESP_STATUS, status, 0, n, queue_ns, compute_ns, write_ns)
         ch.last_seq = seq
         _publish(ch.resp_seq, seq, ch.client_parked, ch.client_bell)
         ch.requests += 1  # after the publish, as the metrics: the client does not wait for it

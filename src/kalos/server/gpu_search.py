@@ -12,18 +12,31 @@ once as a CUDA graph that does, in one launch:
 then the poller waits for the stream and publishes the response. In GPU-result mode nothing
 of the results crosses PCIe: the client reads them as torch tensors over the channel's GPU
 buffer, which it mapped once through CUDA IPC (:mod:`kalos.gpu.driver`).
+
+In host-result mode through a channel's registered arena (:class:`PinnedArena`), a search
+that takes the int8 prefilter is answered by the GPU itself: the sidecar writes the
+response header before the launch and stages the response's sequence number beside the
+query; once the kernel has proven its result it makes the results visible to the host and
+stores that number into the channel's response sequence word. The client reads the answer
+then, while the sidecar is still waiting for the stream; afterwards the poller only wakes a
+parked client (see :meth:`PinnedArena.announce`). An unproven search replays the full scan,
+and the poller publishes as for any other request.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from kalos import _native
 from kalos.errors import ConfigError, InvalidRequest
 from kalos.gpu import driver
 from kalos.index.cuda_flat import CudaFlatIndex, SearchGraph
+from kalos.protocol import layout as L
+from kalos.protocol.codes import ResponseFlag, Status
 
 # Per-channel GPU result buffer: room for this many queries and hits (nq * k).
 GPU_MAX_QUERIES = 64
@@ -33,6 +46,9 @@ GPU_MAX_TOKENS = 131072  # token ids of one GPU-result recall (int32: 512 KiB)
 # response of up to 64 x 1024 hits without payloads.
 PINNED_BYTES = 1 << 20
 _ALIGN = 256
+_monotonic_ns = time.monotonic_ns
+_OK = int(Status.OK)
+_DEVICE_PUBLISHED = int(ResponseFlag.DEVICE_PUBLISHED)
 
 
 def _align(n: int) -> int:
@@ -120,8 +136,9 @@ class GpuResultBuffer:
 
 
 class _Inputs:
-    """A graph's device copy of the staged request block (scope, then queries), moved by one
-    memcpy node: ``scope`` [3] int64 and ``query`` [nq, dim] fp32 views of it."""
+    """A graph's device copy of the staged request block (scope, the response's sequence
+    number, then queries), moved by one memcpy node: ``scope`` [3] int64, ``seq`` [1] int64
+    and ``query`` [nq, dim] fp32 views of it."""
 
     def __init__(self, staging: Staging, nq: int, with_queries: bool) -> None:
         import torch
@@ -131,6 +148,7 @@ class _Inputs:
         ]
         self.block = torch.empty(len(self.src), dtype=torch.uint8, device=staging.device)
         self.scope = self.block[:24].view(torch.int64)
+        self.seq = self.block[staging.SEQ_OFFSET : staging.SEQ_OFFSET + 8].view(torch.int64)
         self.query = (
             self.block[staging.QUERY_OFFSET :].view(torch.float32).view(nq, staging.dim)
             if with_queries
@@ -154,17 +172,24 @@ class _HostResultGraph(SearchGraph):
     program of the scan pulls it across PCIe before its first tile."""
 
     def __init__(self, index: CudaFlatIndex, nq: int, k: int, scoped: bool, staging: Staging,
-                 out: tuple[np.ndarray, np.ndarray] | None = None) -> None:  # fmt: skip
+                 out: tuple[np.ndarray, np.ndarray] | None = None,
+                 pinned: PinnedArena | None = None) -> None:  # fmt: skip
         import torch
 
         self.inputs = _Inputs(staging, nq, True)
         m = nq * k
+        publish = None
+        self.body_len = 0  # of the response, when the graph publishes it
         if out is None:
             scores, ids = staging.scores[:m].view(nq, k), staging.ids[:m].view(nq, k)
         else:
             scores, ids = torch.from_numpy(out[0]), torch.from_numpy(out[1])
+            if pinned is not None and pinned.resp_seq is not None:
+                publish = (self.inputs.seq, pinned.resp_seq)
+                # the response body ends with the ids (protocol.messages.search_response_views)
+                self.body_len = int(out[1].ctypes.data) + out[1].nbytes - pinned.lo
         super().__init__(index, nq, k, scoped, query=self.inputs.query, scope=self.inputs.scope,
-                         scores=scores, ids=ids, prefilter=True)  # fmt: skip
+                         scores=scores, ids=ids, prefilter=True, publish=publish)  # fmt: skip
 
     def _run(self, prefilter: bool = False) -> None:
         self.inputs.copy()
@@ -176,19 +201,79 @@ class PinnedArena:
     (``cuMemHostRegister``), so that a search's merge kernel writes the top-k straight into
     the response: no staging buffer, no encoding, no copy on the host.
 
+    With the channel's ``header`` page registered too, the prefilter's kernel publishes the
+    response itself (the module doc): the poller calls :meth:`arm` before each request, the
+    search :meth:`announce` before its launch, and the poller reads :attr:`published` after.
+
     ``graphs`` holds this channel's search graphs, one per (batch, k, filtered), each writing
     at the fixed addresses of that shape's response (the protocol's layout for nq x k). The
     sidecar makes one per shm channel of a cuda sidecar and closes it, under the dispatch
     lock, before the channel's memory goes.
     """
 
-    def __init__(self, buf: np.ndarray) -> None:
-        self._buf = buf  # keeps the mapping alive while registered
+    def __init__(self, buf: np.ndarray, header: np.ndarray | None = None) -> None:
+        self._buf = buf  # keeps the mappings alive while registered
+        self._header = header
         self.lo = int(buf.ctypes.data)
         self.hi = self.lo + len(buf)
-        driver.host_register(self.lo, len(buf))
-        self._registered = True
+        self._registered: list[int] = []
+        self.resp_seq: Any = None  # the response sequence word, for the kernel ([1] int64)
+        try:
+            driver.host_register(self.lo, len(buf))
+            self._registered.append(self.lo)
+            if header is not None:
+                import torch
+
+                driver.host_register(int(header.ctypes.data), len(header))
+                self._registered.append(int(header.ctypes.data))
+                word = header[L.RESP_SEQ : L.RESP_SEQ + 8].view(np.int64)
+                self.resp_seq = torch.from_numpy(word)
+                self._resp_seq_addr = int(word.ctypes.data)
+        except BaseException:
+            self.close()
+            raise
         self.graphs: dict[tuple[int, int, bool], _HostResultGraph] = {}
+        # the request being served (arm): its sequence number, queue time and pickup time
+        self._seq = 0
+        self._queue_ns = 0
+        self._picked = 0
+        self.published = False  # the GPU published the last request's response
+
+    def arm(self, seq: int, queue_ns: int, picked: int) -> None:
+        """The poller, before dispatching request ``seq`` (picked up at monotonic ``picked``,
+        ``queue_ns`` after its publish): what :meth:`announce` writes."""
+        self._seq = seq
+        self._queue_ns = queue_ns
+        self._picked = picked
+        self.published = False
+
+    def replay(self, graph: SearchGraph, body_len: int, seq_slot: np.ndarray, stream: Any) -> None:
+        """Runs one of this channel's search graphs (``graph.replay_and_wait(stream)``),
+        whose response body is ``body_len`` bytes. When the graph publishes (its
+        ``publish`` is set), first :meth:`announce`; afterwards :attr:`published` says
+        whether the kernel stored the armed request's sequence number."""
+        armed = graph.publish is not None and self.announce(body_len, seq_slot)
+        self.published = graph.replay_and_wait(stream) and armed
+
+    def announce(self, body_len: int, seq_slot: np.ndarray) -> bool:
+        """Before launching a graph that publishes (``SearchGraph.publish``): writes the
+        response header the client will read (OK, DEVICE_PUBLISHED, ``body_len``, the queue
+        time, the compute time so far, no write time) and stages the sequence number the
+        kernel stores (``seq_slot``, [1] int64 in the staged request block). Returns whether
+        the request was armed; if not (a search from outside the poller), stages the word's
+        current value, so the kernel's store changes nothing."""
+        seq = self._seq
+        self._seq = 0  # one announce per arm
+        if not seq:
+            seq_slot[0] = _native.load_acquire(self._resp_seq_addr)
+            return False
+        assert self._header is not None  # a graph publishes only with the header registered
+        L.RESP_FIELDS.pack_into(
+            self._header, L.RESP_STATUS, _OK, _DEVICE_PUBLISHED, body_len, self._queue_ns,
+            _monotonic_ns() - self._picked, 0,
+        )  # fmt: skip
+        seq_slot[0] = seq
+        return True
 
     def holds(self, arrays: tuple[np.ndarray, ...]) -> bool:
         """Whether every array lies inside the registered range."""
@@ -200,9 +285,9 @@ class PinnedArena:
 
     def close(self) -> None:
         self.graphs.clear()
-        if self._registered:
-            self._registered = False
-            driver.host_unregister(self.lo)
+        self.resp_seq = None
+        while self._registered:
+            driver.host_unregister(self._registered.pop())
 
 
 class _DeviceResultGraph(SearchGraph):
@@ -231,9 +316,11 @@ class _DeviceResultGraph(SearchGraph):
 class Staging:
     """Pinned host memory the graphs copy from and write into (allocated once).
 
-    ``block``: the request, scope ([3] int64 at 0) then queries ([max_batch, dim] fp32 at
-    ``QUERY_OFFSET``), so that one copy moves both; ``scores`` and ``ids``: the top-k."""
+    ``block``: the request, scope ([3] int64 at 0), the response's sequence number for a
+    graph that publishes (int64 at ``SEQ_OFFSET``), then queries ([max_batch, dim] fp32 at
+    ``QUERY_OFFSET``), so that one copy moves all three; ``scores`` and ``ids``: the top-k."""
 
+    SEQ_OFFSET = 24
     QUERY_OFFSET = 32
 
     def __init__(self, dim: int, max_batch: int, device: Any) -> None:
@@ -247,6 +334,7 @@ class Staging:
         self.ids = torch.zeros(max_batch * 1024, dtype=torch.int64).pin_memory()
         block = self.block.numpy()
         self.scope_np = block[:24].view(np.int64)
+        self.seq_np = block[self.SEQ_OFFSET : self.QUERY_OFFSET].view(np.int64)
         self.query_np = block[self.QUERY_OFFSET :].view(np.float32).reshape(max_batch, dim)
         self.scores_np = self.scores.numpy()
         self.ids_np = self.ids.numpy()
@@ -284,11 +372,13 @@ class GpuSearch:
         if scope is not None:  # an unfiltered graph does not read it
             self.staging.scope_np[:] = scope
 
-    def pin(self, arena: np.ndarray) -> PinnedArena:
+    def pin(self, arena: np.ndarray, header: np.ndarray | None = None) -> PinnedArena:
         """Registers the start of a channel's response arena (enough for the largest graph
-        search's response) for in-place results; close it before the channel goes."""
+        search's response) for in-place results, and its ``header`` page (the channel's
+        first ``layout.CHANNEL_HEADER_SIZE`` bytes) when given, for responses the GPU
+        publishes; close it before the channel goes."""
         driver.ensure_context(self.device)
-        return PinnedArena(arena[: min(len(arena), PINNED_BYTES)])
+        return PinnedArena(arena[: min(len(arena), PINNED_BYTES)], header)
 
     def search(
         self,
@@ -316,7 +406,7 @@ class GpuSearch:
                 graph = pinned.graphs.get(key)
                 if graph is None and pinned.holds(out):
                     graph = pinned.graphs[key] = _HostResultGraph(
-                        self.index, nq, k, scope is not None, self.staging, out
+                        self.index, nq, k, scope is not None, self.staging, out, pinned
                     )
             in_place = graph is not None
             if graph is None:
@@ -326,9 +416,11 @@ class GpuSearch:
                         self.index, nq, k, scope is not None, self.staging
                     )
             self._stage(queries, scope)
-            graph.replay_and_wait(self.stream)
             if in_place:
+                assert pinned is not None
+                pinned.replay(graph, graph.body_len, self.staging.seq_np, self.stream)
                 return out  # type: ignore[return-value]
+            graph.replay_and_wait(self.stream)
             m = nq * k
             s = self.staging
             scores, ids = s.scores_np[:m].reshape(nq, k), s.ids_np[:m].reshape(nq, k)

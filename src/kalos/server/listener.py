@@ -189,7 +189,7 @@ class Listener:
         try:
             if self.gpu is not None:
                 with self._lock:  # CUDA work stays serialised with dispatch
-                    ch.pinned = self.gpu.pin(ch.resp_arena)
+                    ch.pinned = self.gpu.pin(ch.resp_arena, ch.buf[: L.CHANNEL_HEADER_SIZE])
                     if hello.get("gpu_results"):
                         ch.gpu = self.gpu.new_result_buffer()
                 if ch.gpu is not None:

@@ -183,6 +183,7 @@ class Sidecar:
         return {
             "epoch": self.epoch,
             "channels": len(self.poller.channels),
+            "gpu_published": self.poller.device_published,  # see server.gpu_search
             "uds_connections": listener.uds_connections if listener else 0,
             "connects": listener.connects if listener else 0,
             "refused": listener.refused if listener else 0,

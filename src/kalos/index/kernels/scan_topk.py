@@ -314,6 +314,49 @@ def _cta_any(x):
     )
 
 
+@triton.jit
+def _fence_sys(x):
+    # PTX fence.sc.sys in every thread: this thread's earlier stores (the results, in pinned
+    # host memory) are visible to the host before any of its later ones. Returns x.
+    return tl.inline_asm_elementwise(
+        "fence.sc.sys; mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def _store_release_sys(ptr, value, when):
+    # One thread of the program (thread 0) stores the int64 value at ptr, a release at system
+    # scope, when ``when`` != 0. Returns 0.
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred %p; .reg .u32 %t; mov.u32 %t, %tid.x; setp.eq.u32 %p, %t, 0; "
+        "setp.ne.and.s32 %p, $3, 0, %p; @%p st.global.release.sys.b64 [$1], $2; "
+        "mov.u32 $0, 0; }",
+        "=r,l,l,r",
+        [ptr, value, when],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def _publish_seq(seq_ptr, pub_ptr, exact, MODE: tl.constexpr):
+    # The response's sequence number (seq_ptr, staged with the query) stored at pub_ptr (the
+    # channel's response sequence word) once every thread's results are visible to the host,
+    # and only when the result is proven (exact != 0): the client then reads the response
+    # without waiting for the sidecar. MODE 2 (GPU): every thread fences at system scope, a
+    # barrier, then one release store. MODE 1 (the interpreter: one thread, memory in order):
+    # a plain store.
+    seq = tl.load(seq_ptr)
+    if MODE == 2:
+        done = _fence_sys(exact)
+        tl.debug_barrier()
+        _store_release_sys(pub_ptr, seq, done)
+    else:
+        if exact != 0:
+            tl.store(pub_ptr, seq)
+
+
 # ---------------------------------------------------------------------------------- kernels
 
 
@@ -336,6 +379,8 @@ def _scan_topk_kernel(
     codes_ptr,  # the prefilter (CODES): codes [cap, D] int8, meta [3, cap] fp32,
     meta_ptr,  # status [1] int32: 1 when the re-ranked top-kf is provably the exact one
     status_ptr,
+    seq_ptr,  # PUBLISH: [1] int64 on the device, the response's sequence number
+    pub_ptr,  # PUBLISH: [1] int64 in registered host memory, the channel's response sequence
     nq,
     k,  # the rows kept per query: the final k, or the prefilter's candidates (CODES)
     kf,  # the final k (CODES)
@@ -366,6 +411,7 @@ def _scan_topk_kernel(
     KPC: tl.constexpr,  # rows the last program selects: key_width(k) (KP unless CODES)
     GW: tl.constexpr,  # the slots' width: key_width(kg)
     USE_THR: tl.constexpr,  # the lists' k-th key as a bound too (lists of >= k rows)
+    PUBLISH: tl.constexpr,  # CODES: store seq at pub once proven; 0 off, 1 plain, 2 fenced (GPU)
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -481,13 +527,15 @@ def _scan_topk_kernel(
                     floor = tl.maximum(bound, _lists_last(cand_ptr, P * KP, KP, CHUNK))
                 else:
                     floor = bound * 0 + _KEY_NONE
-                top = _rerank(
+                top, exact = _rerank(
                     db_ptr, sq_ptr, status_ptr, key, floor, qv, kf, D, BLOCK_D, KPF, METRIC
                 )
                 _write_top(
                     pid * 0, top, ids_ptr, q_ptr, scores_ptr, out_ids_ptr, kf, stride_q,
                     stride_os, stride_oi, D, BLOCK_D, KPF, METRIC,
                 )  # fmt: skip
+                if PUBLISH != 0:
+                    _publish_seq(seq_ptr, pub_ptr, exact.to(tl.int32), PUBLISH)
             else:
                 _final_topk(
                     pid * 0, cand_ptr, thr_ptr, slot_ptr, surv_ptr, ids_ptr, q_ptr, scores_ptr,
@@ -548,7 +596,7 @@ def _rerank(
     kth_s, _ = _scores_from_keys(kth)
     exact = (least == _KEY_NONE) | ((kth != _KEY_NONE) & (least_s < kth_s))
     tl.store(status_ptr, exact.to(tl.int32))
-    return top
+    return top, exact
 
 
 @triton.jit
@@ -1032,6 +1080,7 @@ def scan_topk(
     cfg: ScanConfig,
     final: tuple | None = None,
     prefilter: tuple | None = None,
+    publish: tuple | None = None,
 ) -> bool:
     """Launch the fused scan.
 
@@ -1052,6 +1101,12 @@ def scan_topk(
     the last program re-scores them from ``db`` and writes their exact top-k, and ``status``
     says whether that is provably the exact top-k of all rows (1) or needs the full scan (0).
     Needs ``final`` and one query; state and cand sized for ``keep``.
+
+    publish (with ``prefilter``): (seq [1] int64 on the device, dest [1] int64 in host memory
+    registered for the GPU): once the re-ranked top-k is proven, the last program makes its
+    result stores visible to the host and then stores seq into dest (a release at system
+    scope), so that a host waiting on dest may read the results without waiting for the
+    stream. Unproven: dest is left alone. Needs :func:`publish_ok`.
     """
     nq, dim = q.shape
     kf = k
@@ -1064,11 +1119,19 @@ def scan_topk(
         codes = meta = status = db
         codes_mode = 0
         kp = key_width(k)
+    mode = _skip_mode()
+    if publish is None:
+        seq = dest = db
+        publish_mode = 0
+    elif prefilter is None or mode == "off":
+        raise ValueError("publish needs the prefilter, on an NVIDIA GPU or the interpreter")
+    else:
+        seq, dest = publish
+        publish_mode = 2 if mode == "ptx" else 1
     kpc = key_width(k)
     bn = max(cfg.block_n, kp)
     use_dot = cfg.use_dot or nq > 1
     prec = "ieee" if db.dtype.itemsize == 4 else "tf32"
-    mode = _skip_mode()
     thr, slots, surv = state
     fused = final is not None and nq == 1 and cfg.fused
     if fused:
@@ -1097,6 +1160,8 @@ def scan_topk(
         codes,
         meta,
         status,
+        seq,
+        dest,
         nq,
         k,
         kf,
@@ -1127,10 +1192,17 @@ def scan_topk(
         KPC=kpc,
         GW=kpc,
         USE_THR=kp >= kpc,
+        PUBLISH=publish_mode,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     return fused
+
+
+def publish_ok() -> bool:
+    """Whether :func:`scan_topk` can publish a sequence number (an NVIDIA GPU, whose fences
+    it uses, or the interpreter)."""
+    return _skip_mode() != "off"
 
 
 def merge_topk(
