@@ -23,7 +23,7 @@ from kalos.testing import isolated_sidecar  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 DIM = 64
-N = PREFILTER_MIN_ROWS
+N = PREFILTER_MIN_ROWS + 50_000  # above it after the removes below
 K = 10
 
 
