@@ -105,6 +105,7 @@ class Poller:
         self._spin_ns = int(spin_us * 1000)
         self._heartbeat_ns = int(heartbeat_ms * 1e6)
         self.channels: tuple[ServerChannel, ...] = ()
+        self._channels_lock = threading.Lock()
         self.stopping = False
         self.device_published = 0  # responses whose sequence word the GPU stored
         a = control.addr
@@ -115,12 +116,17 @@ class Poller:
         self.metrics: RequestStats | None = None  # set by the admin endpoint (kalos.server.admin)
 
     def add(self, ch: ServerChannel) -> None:
-        self.channels = (*self.channels, ch)
+        # Each connection's listener thread adds and removes its own channel: the tuple is
+        # replaced under a lock, or a connect racing a disconnect could drop a channel (whose
+        # requests then go unserved). The poll loop reads it without one.
+        with self._channels_lock:
+            self.channels = (*self.channels, ch)
 
     def remove(self, ch: ServerChannel) -> None:
         # The poller may still hold the old tuple and answer one last request on this channel;
         # its memory stays mapped until the last reference goes, so that is harmless.
-        self.channels = tuple(c for c in self.channels if c is not ch)
+        with self._channels_lock:
+            self.channels = tuple(c for c in self.channels if c is not ch)
 
     def wake(self) -> None:
         _native.fetch_add(self._bell, 1)
