@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import kalos
-from conftest import DIM, Backend
+from conftest import DIM, TIMEOUT, Backend
 from kalos import Scope
 from kalos.errors import ClosedError, InvalidRequest
 
@@ -482,3 +482,16 @@ def test_client_side_argument_errors(client: kalos.Client) -> None:
             client.search(np.ones(DIM), k=k)  # type: ignore[arg-type]
     assert client.search(np.ones(DIM), k=np.int64(2)).ids.shape == (2,)
     assert client.stats()["items"] == 0
+
+
+def test_the_default_spin_follows_the_sidecars_device(sidecar) -> None:
+    from kalos.transport.shm import GPU_SPIN_US, SPIN_US, default_spin_us
+
+    assert default_spin_us({"device": "cuda:0"}) == GPU_SPIN_US > 2 * SPIN_US
+    assert default_spin_us({"device": "cpu"}) == default_spin_us({}) == SPIN_US
+    sc = sidecar(dim=DIM)
+    with sc.connect() as default, sc.connect(spin_us=7) as told:
+        default.ping()
+        told.ping()
+        spins = [c._channel(TIMEOUT)._spin_ns for c in (default, told)]  # this thread's channels
+    assert spins == [int(SPIN_US * 1000), 7000]

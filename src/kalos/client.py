@@ -210,7 +210,9 @@ class Client:
     grpc target (``host:port`` or ``unix:/path``, see ``kalos serve --grpc``) and ``tls`` a
     :class:`kalos.Tls` to secure it (None: plaintext). ``timeout``: the default deadline of a
     call, in seconds. ``spin_us``: how long a caller spins for a response before parking (spinning
-    pays when the sidecar has its own core; parking costs a ~25 µs futex wake).
+    pays when the sidecar has its own core; parking costs a ~25 µs futex wake); None: 50 µs, or
+    200 µs against a sidecar whose index is on a GPU (a search there takes longer than 50 µs,
+    and a parked caller is woken only after the sidecar's stream sync).
     ``gpu_results``: map each channel's GPU result buffer (a cuda sidecar, shm transport, torch
     installed) so that :meth:`search_gpu` can hand results over as torch tensors.
 
@@ -235,7 +237,7 @@ class Client:
         timeout: float = 5.0,
         runtime_dir: str | None = None,
         arena_bytes: int = L.DEFAULT_ARENA_BYTES,
-        spin_us: float = 50.0,
+        spin_us: float | None = None,
         gpu_results: bool = False,
         connector: Callable[[], Transport] | None = None,
         on_unavailable: str = "raise",
@@ -1160,7 +1162,7 @@ def connect(
     timeout: float = 5.0,
     runtime_dir: str | None = None,
     arena_bytes: int = L.DEFAULT_ARENA_BYTES,
-    spin_us: float = 50.0,
+    spin_us: float | None = None,
     gpu_results: bool = False,
     on_unavailable: str = "raise",
     hung_after: float | None = None,

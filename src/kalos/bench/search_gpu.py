@@ -47,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queries", type=int, default=2000, help="timed recalls per system")
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--profile", action="store_true", help="count copies in a profiler trace")
+    p.add_argument("--spin-us", type=float, default=1000.0,
+                   help="the timed client's spin_us (kalos.connect's default against a GPU "
+                        "sidecar: 200)")  # fmt: skip
     add_affinity_argument(p, cpus="last two CPUs")
 
 
@@ -188,7 +191,7 @@ def _run_size(args: argparse.Namespace, torch: Any, n: int, dim: int, bw: float)
         # threads wake beside it), this process's threads on the others
         with cpu_split(args.affinity, {"sidecar": sidecar.process.pid}, 2) as affinity:
             # a long deadline: the first calls compile the kernels and capture the graphs
-            client = sidecar.connect(gpu_results=True, spin_us=1000, timeout=120)
+            client = sidecar.connect(gpu_results=True, spin_us=args.spin_us, timeout=120)
             wrong = 0
             for i in range(200):  # correctness in the same run (tie-aware: k-th score bound)
                 got = client.search(queries[i], k, payloads=False).ids
@@ -248,7 +251,8 @@ def _run_size(args: argparse.Namespace, torch: Any, n: int, dim: int, bw: float)
         ),
         "wrong_results": wrong,
     }
-    return {"params": {"n": n, "dim": dim, "dtype": "float16", "k": k, "batch": 1},
+    return {"params": {"n": n, "dim": dim, "dtype": "float16", "k": k, "batch": 1,
+                       "client_spin_us": args.spin_us},
             "rows": rows, "summary": summary, "stage_median_us": stages,
             "affinity": affinity}  # fmt: skip
 

@@ -42,7 +42,7 @@ def open_transport(
     runtime_dir: str | None,
     arena_bytes: int,
     timeout: float,
-    spin_us: float,
+    spin_us: float | None,
     gpu_results: bool = False,
     hung_after: float | None = None,
     tls: Tls | None = None,
@@ -52,6 +52,7 @@ def open_transport(
     For ``kind="grpc"``, ``name`` is the sidecar's grpc target (``host:port``, ``[v6]:port``
     or ``unix:/path``) and ``tls`` secures it; ``runtime_dir`` and ``spin_us`` do not apply.
 
+    ``spin_us`` None: :func:`kalos.transport.shm.default_spin_us` of the sidecar's device.
     ``gpu_results``: ask a cuda sidecar for a GPU result buffer (shm only); the transport's
     ``gpu`` is then a :class:`kalos.gpu.handoff.GpuChannel`. ``hung_after``: seconds without a
     heartbeat after which a shm channel reports its sidecar hung (SidecarGone). Raises
@@ -77,13 +78,13 @@ def open_transport(
         socket_path(name, runtime_dir), kind, arena_bytes, timeout, gpu_results
     )
     if kind == "shm":
-        from kalos.transport.shm import HUNG_AFTER_S, ShmTransport
+        from kalos.transport.shm import HUNG_AFTER_S, ShmTransport, default_spin_us
 
         t = ShmTransport(
             sock,
             info,
             fds,
-            spin_us=spin_us,
+            spin_us=default_spin_us(info) if spin_us is None else spin_us,
             hung_after=HUNG_AFTER_S if hung_after is None else hung_after,
         )
         if gpu_results:

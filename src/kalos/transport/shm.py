@@ -37,6 +37,13 @@ LIVENESS_SLICE_NS = 10_000_000  # 10 ms: a dead sidecar is seen well inside a 10
 # its own (a long request does not delay it); 1 s leaves room for a loaded 2-core machine.
 HUNG_AFTER_S = 1.0
 
+# How long a caller spins for a response before it parks, unless told (Client's spin_us): a
+# CPU sidecar answers within a few µs; a GPU search takes ~60-90 µs at 1M rows, and its
+# response is published by the kernel itself (server.gpu_search), which wakes no one: a
+# parked caller waits for the sidecar's stream sync and a futex wake (8-28 µs on the H200).
+SPIN_US = 50.0
+GPU_SPIN_US = 200.0
+
 _monotonic_ns = time.monotonic_ns
 _publish = _native.publish
 _wait_seq = _native.wait_seq
@@ -71,6 +78,11 @@ def map_token_heap(fd: int, size: int, key: tuple[int, int]) -> np.ndarray:
                 del _heaps[k]
             _heaps[key] = weakref.ref(heap)
         return heap
+
+
+def default_spin_us(info: dict[str, Any]) -> float:
+    """The spin of a channel to the sidecar whose handshake reply is ``info``."""
+    return GPU_SPIN_US if str(info.get("device", "cpu")).startswith("cuda") else SPIN_US
 
 
 class ShmTransport(Transport):
