@@ -20,6 +20,19 @@ def make_index(metric: str, dtype: str, dim: int, device: str) -> CudaFlatIndex:
     )
 
 
+def unprovable_rows(
+    rng: np.random.Generator, dim: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """400 rows over which the int8 prefilter cannot prove a search along ``base``: 150
+    near-copies of ``base``, closer to each other than the int8 bound, then 250 random rows
+    (a random query is proven there). Returns (rows f32 [400, dim], ids i64 from 1, base)."""
+    base = rng.standard_normal(dim).astype(np.float32)
+    near = base + 1e-3 * rng.standard_normal((150, dim)).astype(np.float32)
+    x = np.concatenate([near, rng.standard_normal((250, dim)).astype(np.float32)])
+    ids = rng.permutation(400).astype(np.int64) + 1
+    return x, ids, base
+
+
 def stored_vectors(metric: str, dtype: str, x: np.ndarray) -> np.ndarray:
     """float64 of what the index stores: cosine rows normalised in float32, then rounded."""
     x = x.astype(np.float32)

@@ -5,20 +5,21 @@ Run on a CUDA machine: ``pytest -m gpu tests/gpu``. Skipped without CUDA.
 
 from __future__ import annotations
 
+# isort: off
+from cuda_device import torch  # noqa: F401  (first: skips this module without CUDA)
+
+# isort: on
+
 import urllib.request
 
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():  # before importing triton: the CPU tests need it interpreted
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-pytest.importorskip("triton")
 pytest.importorskip("prometheus_client")
 
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families
 
-from kalos.testing import isolated_sidecar  # noqa: E402
+from kalos.testing import isolated_sidecar
 
 pytestmark = pytest.mark.gpu
 

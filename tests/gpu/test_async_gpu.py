@@ -7,18 +7,18 @@ Run on a CUDA machine: ``pytest -m gpu tests/gpu/test_async_gpu.py``. Skipped wi
 
 from __future__ import annotations
 
+# isort: off
+from cuda_device import torch
+
+# isort: on
+
 import asyncio
 
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():  # before importing triton: the CPU tests need it interpreted
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-pytest.importorskip("triton")
-
-import kalos  # noqa: E402
-from kalos.testing import isolated_sidecar  # noqa: E402
+import kalos
+from kalos.testing import isolated_sidecar
 
 pytestmark = pytest.mark.gpu
 

@@ -6,15 +6,15 @@ Run on a CUDA machine: ``pytest -m gpu tests/gpu``. Skipped without CUDA.
 
 from __future__ import annotations
 
+# isort: off
+from cuda_device import torch
+
+# isort: on
+
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():  # before importing triton: the CPU tests need it interpreted
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-pytest.importorskip("triton")
-
-from kalos.errors import NotFound  # noqa: E402
+from kalos.errors import NotFound
 
 pytestmark = pytest.mark.gpu
 

@@ -9,16 +9,16 @@ Run on a CUDA machine: ``pytest -m gpu tests/gpu``. Skipped without CUDA.
 
 from __future__ import annotations
 
+# isort: off
+from cuda_device import torch
+
+# isort: on
+
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():  # before importing triton: the CPU tests need it interpreted
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-pytest.importorskip("triton")
-
-from kalos.index.kernels.scan_topk import PREFILTER_MIN_ROWS  # noqa: E402
-from kalos.testing import isolated_sidecar  # noqa: E402
+from kalos.index.kernels.scan_topk import PREFILTER_MIN_ROWS
+from kalos.testing import isolated_sidecar
 
 pytestmark = pytest.mark.gpu
 

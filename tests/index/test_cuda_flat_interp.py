@@ -22,6 +22,7 @@ from cuda_reference import (
     check_search,
     make_index,
     ref_scores,
+    unprovable_rows,
 )
 from kalos.errors import ConfigError, InvalidRequest, NotFound
 from kalos.index.cuda_flat import parse_spec
@@ -492,15 +493,10 @@ def test_prefilter_scope_removals_upserts_and_few_matches():
 
 
 def test_prefilter_falls_back_to_the_full_scan_when_the_bound_cannot_prove():
-    # 150 near-copies of the query's direction, closer to each other than the int8 bound:
-    # the candidates' bounds overlap the k-th exact score, so the search replays the full
-    # scan, and the answer is still the exact one
-    rng = np.random.default_rng(5)
+    # near-copies of the query's direction: the candidates' bounds overlap the k-th exact
+    # score, so the search replays the full scan, and the answer is still the exact one
     dim = 64
-    base = rng.standard_normal(dim).astype(np.float32)
-    near = base + 1e-3 * rng.standard_normal((150, dim)).astype(np.float32)
-    x = np.concatenate([near, rng.standard_normal((250, dim)).astype(np.float32)])
-    ids = rng.permutation(400).astype(np.int64) + 1
+    x, ids, base = unprovable_rows(np.random.default_rng(5), dim)
     idx = make_index("ip", "fp32", dim, "cpu")
     idx.add(x, ids)
     g = check_graph_search(idx, x, ids, None, base[None], 10)
@@ -516,10 +512,7 @@ def test_prefilter_publishes_the_sequence_only_when_proven():
     # and the full scan it replays, leave dest alone (the sidecar publishes then)
     rng = np.random.default_rng(8)
     dim = 64
-    base = rng.standard_normal(dim).astype(np.float32)
-    near = base + 1e-3 * rng.standard_normal((150, dim)).astype(np.float32)
-    x = np.concatenate([near, rng.standard_normal((250, dim)).astype(np.float32)])
-    ids = rng.permutation(400).astype(np.int64) + 1
+    x, ids, base = unprovable_rows(rng, dim)
     idx = make_index("ip", "fp32", dim, "cpu")
     idx.add(x, ids)
     idx.prefilter_min_rows = 0

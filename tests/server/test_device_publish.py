@@ -19,11 +19,12 @@ from triton_interp import torch
 
 import threading
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
-from cuda_reference import check_result, make_index
+from cuda_reference import check_result, make_index, unprovable_rows
 from kalos import _native
 from kalos.gpu import driver
 from kalos.index.cuda_flat import SearchGraph
@@ -68,6 +69,17 @@ class StandInDispatcher:
         return Status.OK, n, self.compute_ns, 0
 
 
+@dataclass
+class Served:
+    ch: ServerChannel
+    dispatcher: StandInDispatcher
+    poller: Poller
+    ctrl: SharedMemory
+    x: np.ndarray  # the index's rows: a random query is proven over them
+    ids: np.ndarray
+    base: np.ndarray  # a query along which the prefilter cannot prove its result
+
+
 class Recorded:
     """The poller's metrics (admin.RequestStats.record), kept."""
 
@@ -80,16 +92,13 @@ class Recorded:
 
 @pytest.fixture
 def served(monkeypatch):
-    """(channel, its PinnedArena, the stand-in dispatcher, the poller, the vectors, their ids)
-    with the poller running; host registration recorded instead of done (no CUDA here)."""
+    """A channel with its PinnedArena, served by a running poller through the stand-in
+    dispatcher (see :class:`Served`). Host registration is recorded instead of done (no CUDA
+    here)."""
     registered: list[int] = []
     monkeypatch.setattr(driver, "host_register", lambda ptr, n: registered.append(ptr))
     monkeypatch.setattr(driver, "host_unregister", lambda ptr: registered.remove(ptr))
-    rng = np.random.default_rng(3)
-    base = rng.standard_normal(DIM).astype(np.float32)
-    near = base + 1e-3 * rng.standard_normal((150, DIM)).astype(np.float32)
-    x = np.concatenate([near, rng.standard_normal((250, DIM)).astype(np.float32)])
-    ids = rng.permutation(400).astype(np.int64) + 1
+    x, ids, base = unprovable_rows(np.random.default_rng(3), DIM)
     index = make_index("ip", "fp32", DIM, "cpu")
     index.add(x, ids)
     index.prefilter_min_rows = 0
@@ -104,7 +113,7 @@ def served(monkeypatch):
     thread = threading.Thread(target=poller.run, daemon=True)
     thread.start()
     try:
-        yield ch, dispatcher, poller, x, ids, ctrl
+        yield Served(ch, dispatcher, poller, ctrl, x, ids, base)
     finally:
         dispatcher.sync.set()
         poller.stop()
@@ -143,7 +152,7 @@ def served_count(ch: ServerChannel, seq: int) -> None:
 
 
 def test_the_kernel_publishes_before_the_sidecar_returns(served):
-    ch, dispatcher, poller, x, ids, ctrl = served
+    ch, dispatcher, poller, ctrl = served.ch, served.dispatcher, served.poller, served.ctrl
     q = np.random.default_rng(1).standard_normal(DIM).astype(np.float32)  # random: proven
     send(ch, ctrl, 1, q)
     assert wait(ch, 1, spin_ns=int(WAIT * 1e9))  # a spinning client
@@ -154,7 +163,7 @@ def test_the_kernel_publishes_before_the_sidecar_returns(served):
     assert n == M.search_response_views(np.zeros(4096, np.uint8), 1, K)[0]
     assert queue_ns > 0 and compute_ns > 0
     scores, got = results(ch, n)
-    check_result(dispatcher.index, x, ids, None, q[None], K, scores, got)
+    check_result(dispatcher.index, served.x, served.ids, None, q[None], K, scores, got)
     dispatcher.sync.set()
     served_count(ch, 1)
     # the header the client read stays; the metrics take the whole compute time
@@ -166,7 +175,7 @@ def test_the_kernel_publishes_before_the_sidecar_returns(served):
 
 
 def test_a_parked_client_is_woken_after_the_sync(served):
-    ch, dispatcher, _, x, ids, ctrl = served
+    ch, dispatcher, ctrl = served.ch, served.dispatcher, served.ctrl
     q = np.random.default_rng(2).standard_normal(DIM).astype(np.float32)
     woke: list[float] = []
 
@@ -189,11 +198,11 @@ def test_a_parked_client_is_woken_after_the_sync(served):
     assert woke and woke[0] - released < WAIT / 2  # the poller's publish rang the bell
     assert header(ch)[1] == ResponseFlag.DEVICE_PUBLISHED
     scores, got = results(ch, header(ch)[2])
-    check_result(dispatcher.index, x, ids, None, q[None], K, scores, got)
+    check_result(dispatcher.index, served.x, served.ids, None, q[None], K, scores, got)
 
 
 def test_an_unproven_search_is_published_by_the_sidecar(served):
-    ch, dispatcher, poller, x, ids, ctrl = served
+    ch, dispatcher, poller, ctrl = served.ch, served.dispatcher, served.poller, served.ctrl
     q = np.random.default_rng(1).standard_normal(DIM).astype(np.float32)
     send(ch, ctrl, 1, q)  # proven: the kernel publishes
     assert wait(ch, 1, spin_ns=int(WAIT * 1e9))
@@ -202,7 +211,7 @@ def test_an_unproven_search_is_published_by_the_sidecar(served):
     dispatcher.sync.clear()
     # the near-copies' direction: the prefilter cannot prove it, the full scan answers, and
     # the response waits for the sidecar, with the full compute time and no flag
-    base = x[:150].mean(0)
+    base = served.base
     send(ch, ctrl, 2, base)
     time.sleep(0.2)
     assert _native.load_acquire(ch.resp_seq) == 1
@@ -214,13 +223,13 @@ def test_an_unproven_search_is_published_by_the_sidecar(served):
     assert dispatcher.graph is not None and dispatcher.graph.fallbacks == 1
     assert poller.device_published == 1  # the first request's
     scores, got = results(ch, n)
-    check_result(dispatcher.index, x, ids, None, base[None], K, scores, got)
+    check_result(dispatcher.index, served.x, served.ids, None, base[None], K, scores, got)
 
 
 def test_a_search_outside_the_poller_publishes_nothing(served):
     # PinnedArena.replay without arm (a search not served through the poller): the kernel
     # stores the word's current value, so the channel's sequence does not move
-    ch, dispatcher, _, _, _, ctrl = served
+    ch, dispatcher, ctrl = served.ch, served.dispatcher, served.ctrl
     q = np.random.default_rng(1).standard_normal(DIM).astype(np.float32)
     send(ch, ctrl, 1, q)
     assert wait(ch, 1, spin_ns=int(WAIT * 1e9))
