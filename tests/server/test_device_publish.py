@@ -240,3 +240,19 @@ def test_a_search_outside_the_poller_publishes_nothing(served):
     pinned.replay(graph, 0, dispatcher.seq.numpy(), None)
     assert not pinned.published and _native.load_acquire(ch.resp_seq) == 1
     assert int(dispatcher.seq[0]) == 1
+
+
+def test_a_failed_registration_leaves_nothing_registered(monkeypatch):
+    registered: list[int] = []
+
+    def register(ptr: int, n: int) -> None:
+        if registered:  # the header page, after the arena
+            raise OSError("cuMemHostRegister failed: out of memory")
+        registered.append(ptr)
+
+    monkeypatch.setattr(driver, "host_register", register)
+    monkeypatch.setattr(driver, "host_unregister", lambda ptr: registered.remove(ptr))
+    ch = ServerChannel(1, 7, L.MIN_ARENA_BYTES)
+    with pytest.raises(OSError, match="out of memory"):
+        PinnedArena(ch.resp_arena[:PINNED_BYTES], ch.buf[: L.CHANNEL_HEADER_SIZE])
+    assert registered == []

@@ -217,7 +217,9 @@ class PinnedArena:
         self.lo = int(buf.ctypes.data)
         self.hi = self.lo + len(buf)
         self._registered: list[int] = []
+        self.graphs: dict[tuple[int, int, bool], _HostResultGraph] = {}
         self.resp_seq: Any = None  # the response sequence word, for the kernel ([1] int64)
+        self._resp_seq_addr = 0
         try:
             driver.host_register(self.lo, len(buf))
             self._registered.append(self.lo)
@@ -232,7 +234,6 @@ class PinnedArena:
         except BaseException:
             self.close()
             raise
-        self.graphs: dict[tuple[int, int, bool], _HostResultGraph] = {}
         # the request being served (arm): its sequence number, queue time and pickup time
         self._seq = 0
         self._queue_ns = 0
