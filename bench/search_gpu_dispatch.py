@@ -20,7 +20,6 @@ Usage: ``python3 bench/search_gpu_dispatch.py [--size 1000000x128] [--out DIR]``
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import mmap
 import os
@@ -28,6 +27,8 @@ import time
 from typing import Any
 
 import numpy as np
+
+from kalos.bench.common import write_result
 
 
 def _p(ns: np.ndarray) -> dict[str, float]:
@@ -126,15 +127,14 @@ def main() -> int:
     base = rows["gpusearch-inplace"]["p50_us"]
     rows["handle"]["over_gpusearch_us"] = round(rows["handle"]["p50_us"] - base, 2)
     pinned.close()
-    result = {"scenario": "search-gpu-dispatch", "machine": "H200", "n": n, "dim": dim,
-              "k": k, "cpus": args.cpus, "date": datetime.date.today().isoformat(),
-              "rows": rows}  # fmt: skip
     print(json.dumps(rows), flush=True)
     if args.out:
-        tag = "-pinned" if args.cpus else ""
-        path = os.path.join(args.out, f"search-gpu-dispatch-H200-{result['date']}{tag}.json")
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+        path = write_result(
+            "search-gpu-dispatch", "H200", {"n": n, "dim": dim, "k": k, "cpus": args.cpus},
+            [{"system": name, **row} for name, row in rows.items()], args.out,
+            "pinned" if args.cpus else None,
+        )  # fmt: skip
+        print("wrote", path)
     return 0
 
 

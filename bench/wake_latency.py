@@ -21,8 +21,6 @@ Usage: ``python3 bench/wake_latency.py [--cpus 2 3] [--reps 2000] [--out DIR]``
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import mmap
 import os
 import platform
@@ -30,6 +28,7 @@ import platform
 import numpy as np
 
 from kalos import _native
+from kalos.bench.common import write_result
 
 DELAYS_US = (5, 20, 60, 150, 330, 1000)
 SEQ, PARKED, BELL, READY = 0, 64, 128, 192  # byte offsets, one line each
@@ -113,18 +112,11 @@ def main() -> None:
         for d in args.delays:
             rows[mode][str(d)] = r = run_mode(mode, d, args.reps, cpus)
             print(f"{mode:7s} after {d:7.1f} µs: {r}", flush=True)
-    cpu = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    except OSError:
-        pass
-    result = {"machine": args.machine, "cpu": cpu, "cpus": list(cpus), "reps": args.reps,
-              "date": datetime.date.today().isoformat(), "notice_latency": rows}  # fmt: skip
     if args.out:
-        path = os.path.join(args.out, f"wake-latency-{args.machine}-{result['date']}.json")
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+        flat = [{"mode": mode, "after_us": float(d), **r}
+                for mode, by_delay in rows.items() for d, r in by_delay.items()]  # fmt: skip
+        path = write_result("wake-latency", args.machine, {"cpus": list(cpus), "reps": args.reps},
+                            flat, args.out)  # fmt: skip
         print("wrote", path)
 
 
