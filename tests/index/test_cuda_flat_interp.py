@@ -652,3 +652,37 @@ def test_prefilter_lists_default_shortens_with_a_program_per_kept_row():
     g = check_graph_search(idx, x, ids, None, q, 10)
     assert g._ws[1]["programs"] == 64 and g._ws[1]["cand"].shape[2] == 8
     assert g.fallbacks == 0  # random rows: proven with lists of 8
+
+
+@pytest.mark.parametrize("prefilter", [False, True])
+def test_trace_counts_every_tile_and_marks_the_last_program(prefilter):
+    # kernels.scan_topk's trace (the phases probe's): every program's tiles walked add up to
+    # the index's tiles, at most those are merged and at least the first, and the last
+    # program's row names one of them; the search's answer is unchanged
+    rng = np.random.default_rng(11)
+    dim, n, k = 64, 700, 10
+    x = rng.standard_normal((n, dim)).astype(np.float32)
+    ids = np.arange(n) * 3
+    idx = make_index("ip", "fp32", dim, "cpu")
+    idx.add(x, ids)
+    ws = idx._workspace(1, k, private=True, prefilter=prefilter)
+    p = ws["programs"]
+    bn = max(ws["cfg"].block_n, ws["cand"].shape[2])
+    status = torch.zeros(1, dtype=torch.int32)
+    q = torch.from_numpy(x[:1] + 0.1)
+    scores = torch.empty((1, k), dtype=torch.float32)
+    out = torch.empty((1, k), dtype=torch.int64)
+    idx.trace = torch.full((p + 1, 8), -1, dtype=torch.int64)
+    idx._launch(q, k, idx._no_filter, False, scores, out, ws, status if prefilter else None)
+    t = idx.trace.numpy()
+    assert t[:p, 3].sum() == -(-n // bn)  # every tile walked once
+    assert ((t[:p, 2] >= 1) & (t[:p, 2] <= t[:p, 3])).all()  # the first tile is always merged
+    assert (t[:p, [0, 1, 4, 5]] == 0).all()  # no clocks under the interpreter
+    assert 0 <= t[p, 3] < p
+    assert (t[p, :3] == (0 if prefilter else -1)).all()  # the prefilter's phases only
+    if prefilter:
+        assert int(status[0]) == 1
+    check_result(idx, x, ids, None, q.numpy(), k, scores.numpy(), out.numpy())
+    idx.trace = torch.zeros((p + 2, 8), dtype=torch.int64)
+    with pytest.raises(ValueError, match="trace must be"):
+        idx._launch(q, k, idx._no_filter, False, scores, out, ws, status if prefilter else None)

@@ -138,6 +138,9 @@ class CudaFlatIndex:
         # prefiltered graphs take the int8 scan from this many live rows on (below it the
         # full scan is as fast: kernels.PREFILTER_MIN_ROWS)
         self.prefilter_min_rows = kernels.PREFILTER_MIN_ROWS
+        # a [programs + 1, 8] int64 tensor that fused scans launched from now on fill with
+        # where their time goes (kernels.scan_topk's trace; bench/search_gpu_phases.py)
+        self.trace: Any = None
         # searches that took the prefilter, and those of them that replayed the full scan
         self.prefilter_searches = 0
         self.prefilter_fallbacks = 0
@@ -571,6 +574,7 @@ class CudaFlatIndex:
                 final=(ws["ticket"], self._ids, scores, ids),
                 prefilter=prefilter,
                 publish=publish,
+                trace=self.trace,
             )
             if fused:
                 return

@@ -340,6 +340,28 @@ def _store_release_sys(ptr, value, when):
 
 
 @triton.jit
+def _clock(x, TRACE: tl.constexpr):
+    # the GPU's global clock in ns (PTX %globaltimer) when TRACE == 2; 0 under the interpreter
+    if TRACE == 2:
+        return tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;", "=l,r", [x], dtype=tl.int64, is_pure=False, pack=1
+        )
+    else:
+        return x.to(tl.int64) * 0
+
+
+@triton.jit
+def _smid(x, TRACE: tl.constexpr):
+    # the multiprocessor this program runs on (PTX %smid) when TRACE == 2; 0 otherwise
+    if TRACE == 2:
+        return tl.inline_asm_elementwise(
+            "mov.u32 $0, %smid;", "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1
+        )
+    else:
+        return x * 0
+
+
+@triton.jit
 def _publish_seq(seq_ptr, pub_ptr, exact, MODE: tl.constexpr):
     # The response's sequence number (seq_ptr, staged with the query) stored at pub_ptr (the
     # channel's response sequence word) once every thread's results are visible to the host,
@@ -381,6 +403,7 @@ def _scan_topk_kernel(
     status_ptr,
     seq_ptr,  # PUBLISH: [1] int64 on the device, the response's sequence number
     pub_ptr,  # PUBLISH: [1] int64 in registered host memory, the channel's response sequence
+    trace_ptr,  # TRACE: [P + 1, 8] int64, where the time goes (see scan_topk's trace)
     nq,
     k,  # the rows kept per query: the final k, or the prefilter's candidates (CODES)
     kf,  # the final k (CODES)
@@ -412,9 +435,15 @@ def _scan_topk_kernel(
     GW: tl.constexpr,  # the slots' width: key_width(kg)
     USE_THR: tl.constexpr,  # the lists' k-th key as a bound too (lists of >= k rows)
     PUBLISH: tl.constexpr,  # CODES: store seq at pub once proven; 0 off, 1 plain, 2 fenced (GPU)
+    TRACE: tl.constexpr,  # 0 off; 1 counts only (the interpreter); 2 counts and GPU clocks
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
+    if TRACE != 0:
+        tl.store(trace_ptr + pid * 8, _clock(pid, TRACE))
+        tl.store(trace_ptr + pid * 8 + 5, _smid(pid, TRACE))
+    merged = 0
+    walked = 0
     n = tl.load(n_ptr)
     n_tiles = tl.cdiv(n, BLOCK_N)
 
@@ -496,6 +525,9 @@ def _scan_topk_kernel(
                 hit = _cta_any(hit)
         else:
             hit = 1
+        if TRACE != 0:
+            walked += 1
+            merged += (hit > 0).to(tl.int32)
         if hit > 0:
             run = _merge_desc(run, _topk_desc(keys, KP))
             if SKIP:
@@ -507,6 +539,10 @@ def _scan_topk_kernel(
 
     out = cand_ptr + qs[:, None] * (P * KP) + pid * KP + kk[None, :]
     tl.store(out, run, mask=qs_ok[:, None])
+    if TRACE != 0:
+        tl.store(trace_ptr + pid * 8 + 1, _clock(pid, TRACE))
+        tl.store(trace_ptr + pid * 8 + 2, merged)
+        tl.store(trace_ptr + pid * 8 + 3, walked)
     if FUSED:
         # The last program to finish selects the final top-k, saving the merge launch. The
         # barrier orders every thread's candidate stores (and bound raises) before this
@@ -520,6 +556,8 @@ def _scan_topk_kernel(
                     pid * 0, cand_ptr, thr_ptr, slot_ptr, surv_ptr, P * KP, kg, GW, KPC, SURV,
                     CHUNK, True, True,
                 )  # fmt: skip
+                if TRACE != 0:
+                    tl.store(trace_ptr + P * 8, _clock(pid, TRACE))
                 if KPC > KP:
                     # lists shorter than the rows kept: a row left out may also have been
                     # pushed off its program's list (below that list's last key) or skipped
@@ -530,10 +568,14 @@ def _scan_topk_kernel(
                 top, exact = _rerank(
                     db_ptr, sq_ptr, status_ptr, key, floor, qv, kf, D, BLOCK_D, KPF, METRIC
                 )
+                if TRACE != 0:
+                    tl.store(trace_ptr + P * 8 + 1, _clock(pid, TRACE))
                 _write_top(
                     pid * 0, top, ids_ptr, q_ptr, scores_ptr, out_ids_ptr, kf, stride_q,
                     stride_os, stride_oi, D, BLOCK_D, KPF, METRIC,
                 )  # fmt: skip
+                if TRACE != 0:
+                    tl.store(trace_ptr + P * 8 + 2, _clock(pid, TRACE))
                 if PUBLISH != 0:
                     _publish_seq(seq_ptr, pub_ptr, exact.to(tl.int32), PUBLISH)
             else:
@@ -543,6 +585,10 @@ def _scan_topk_kernel(
                     SURV, CHUNK, METRIC, True, True,
                 )  # fmt: skip
             tl.store(ticket_ptr, 0)
+            if TRACE != 0:
+                tl.store(trace_ptr + P * 8 + 3, pid)  # the last program
+    if TRACE != 0:
+        tl.store(trace_ptr + pid * 8 + 4, _clock(pid, TRACE))
 
 
 @triton.jit
@@ -1081,6 +1127,7 @@ def scan_topk(
     final: tuple | None = None,
     prefilter: tuple | None = None,
     publish: tuple | None = None,
+    trace: Any = None,
 ) -> bool:
     """Launch the fused scan.
 
@@ -1107,6 +1154,13 @@ def scan_topk(
     result stores visible to the host and then stores seq into dest (a release at system
     scope), so that a host waiting on dest may read the results without waiting for the
     stream. Unproven: dest is left alone. Needs :func:`publish_ok`.
+
+    trace: None, or a [programs + 1, 8] int64 tensor that the kernel fills with where its time
+    goes (a probe's: ``bench/search_gpu_phases.py``). Row p < programs, program p: 0 its
+    start, 1 the end of its scan, 2 tiles merged into its list, 3 tiles walked, 4 its end,
+    5 its multiprocessor. Row programs, the fused last program: 0 the selection done,
+    1 the re-rank done (prefilter), 2 the results written (prefilter), 3 its program id.
+    Times are the GPU's global clock in ns (0 under the interpreter, which fills the counts).
     """
     nq, dim = q.shape
     kf = k
@@ -1128,6 +1182,8 @@ def scan_topk(
     else:
         seq, dest = publish
         publish_mode = 2 if mode == "ptx" else 1
+    if trace is not None and trace.shape != (programs + 1, 8):
+        raise ValueError(f"trace must be [{programs + 1}, 8], not {list(trace.shape)}")
     kpc = key_width(k)
     bn = max(cfg.block_n, kp)
     use_dot = cfg.use_dot or nq > 1
@@ -1162,6 +1218,7 @@ def scan_topk(
         status,
         seq,
         dest,
+        db if trace is None else trace,
         nq,
         k,
         kf,
@@ -1193,6 +1250,7 @@ def scan_topk(
         GW=kpc,
         USE_THR=kp >= kpc,
         PUBLISH=publish_mode,
+        TRACE=0 if trace is None else 2 if mode == "ptx" else 1,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
