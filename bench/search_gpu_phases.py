@@ -15,7 +15,9 @@ the medians of:
 - tiles walked and merged per program (merged: sorted into its list; the rest were skipped
   by the bound);
 
-beside the CUDA-event time of the same launch (eager) and of the index's graph (no trace).
+beside the CUDA-event time of the same launch (eager) and of the index's graph (no trace);
+each scan with its tiles merged by a bitonic top-k (the default) and by insertion
+(``ScanConfig.insert``), and every variant's ids against the first's.
 
 Usage (CUDA machine): ``python3 bench/search_gpu_phases.py --out DIR [--sizes 1000000x128]
 [--full] [--suffix s8]``
@@ -24,7 +26,9 @@ Usage (CUDA machine): ``python3 bench/search_gpu_phases.py --out DIR [--sizes 10
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
+import os
 from typing import Any
 
 import numpy as np
@@ -33,6 +37,7 @@ import torch
 from kalos.bench.common import write_result
 from kalos.bench.search_gpu import _event_times
 from kalos.index.cuda_flat import CudaFlatIndex
+from kalos.index.kernels import scan_topk as kern
 
 
 def _median(v: Any) -> float:
@@ -67,10 +72,85 @@ def _phases(traces: list[np.ndarray], p: int) -> dict[str, Any]:
         put("merged_mean", float(prog[:, 2].mean()))
         put("merged_max", float(prog[:, 2].max()))
         put("programs_per_sm_max", float(np.bincount(prog[:, 5]).max()))
-    return {name: _median(v) for name, v in cols.items()}
+    out = {name: _median(v) for name, v in cols.items()}
+    # a program's scan against its tiles walked and merged, over every program of every run:
+    # what a tile costs when skipped, and what a merge adds
+    prog = np.concatenate([t[:p] for t in traces])
+    a = np.stack([np.ones(len(prog)), prog[:, 3], prog[:, 2]], axis=1).astype(np.float64)
+    fit = np.linalg.lstsq(a, (prog[:, 1] - prog[:, 0]) / 1e3, rcond=None)[0]
+    out.update(fit_const_us=round(fit[0], 3), fit_tile_us=round(fit[1], 3),
+               fit_merge_us=round(fit[2], 3))  # fmt: skip
+    merged = prog[:, 2]
+    out["merged_percentiles"] = [int(v) for v in np.percentile(merged, [10, 50, 90, 99, 100])]
+    # the programs that merged most: their share by group (pid % 32) and by position on the SM
+    heavy = np.concatenate([np.nonzero(t[:p, 2] >= np.percentile(t[:p, 2], 95))[0] for t in traces])
+    out["heavy_pid_mod32"] = np.bincount(heavy % 32, minlength=32).tolist()
+    out["heavy_pids_top"] = np.bincount(heavy, minlength=p).argsort()[::-1][:12].tolist()
+    return out
 
 
-def run_size(n: int, dim: int, k: int, runs: int, full: bool) -> list[dict[str, Any]]:
+def _variant(
+    idx: Any, qs: Any, k: int, prefilter: bool, insert: bool, chunk: int, dump: str | None
+) -> tuple[dict[str, Any], np.ndarray]:
+    """One scan (prefilter or full, bitonic or insertion merge, the last program's candidates
+    per step): its traced runs over the queries ``qs`` and its CUDA-event times; returns its
+    row and the ids it found."""
+    n, dim = len(idx), idx.dim
+    kern.FUSED_CHUNK = chunk
+    base = kern.choose_prefilter_config(dim, True) if prefilter else idx._config(1, k)
+    cfg = copy.copy(base)
+    cfg.insert = insert
+    if prefilter:
+        idx.prefilter_config = cfg
+    else:
+        idx.scan_config = cfg
+    ws = idx._workspace(1, k, private=True, prefilter=prefilter)
+    p = ws["programs"]
+    status = torch.zeros(1, dtype=torch.int32, device="cuda")
+    scores = torch.empty((1, k), dtype=torch.float32, device="cuda")
+    ids = torch.empty((1, k), dtype=torch.int64, device="cuda")
+    q = torch.empty((1, dim), dtype=torch.float32, device="cuda")
+    q.copy_(qs[:1])
+    st = status if prefilter else None
+    launch = functools.partial(idx._launch, q, k, idx._no_filter, False, scores, ids, ws, st)
+    _event_times(torch, launch, 20)
+    eager = _event_times(torch, launch, 200) / 1e3
+    idx.trace = torch.zeros((p + 1, 8), dtype=torch.int64, device="cuda")
+    traces, found = [], []
+    unproven = 0
+    for i in range(len(qs)):
+        q.copy_(qs[i : i + 1])
+        launch()
+        torch.cuda.synchronize()
+        traces.append(idx.trace.cpu().numpy().copy())
+        found.append(ids.cpu().numpy()[0])
+        unproven += prefilter and int(status[0]) != 1
+    idx.trace = None
+    if dump:
+        kind = f"{'pre' if prefilter else 'full'}-{'ins' if insert else 'bit'}-{chunk}"
+        name = f"trace-{n}x{dim}-{kind}"
+        np.save(os.path.join(dump, name + ".npy"), np.stack(traces))
+    g = idx.graph(1, k, prefilter=prefilter)
+    g.query.copy_(qs[:1])
+    graph = g.prefilter_cuda_graph() if prefilter else g.cuda_graph
+    _event_times(torch, graph.replay, 20)
+    replay = _event_times(torch, graph.replay, 200) / 1e3
+    idx.prefilter_config = idx.scan_config = None
+    row = {
+        "n": n, "dim": dim, "k": k, "scan": "int8 prefilter" if prefilter else "full fp16",
+        "merge": "insertion" if insert else "bitonic", "chunk": chunk, "config": repr(cfg),
+        "programs": p,
+        "block_n": max(cfg.block_n, ws["cand"].shape[2]), "lists": ws["cand"].shape[2],
+        "runs": len(qs), "unproven": unproven,
+        "eager_event_p50_us": _median(eager), "graph_event_p50_us": _median(replay),
+        **_phases(traces, p),
+    }  # fmt: skip
+    return row, np.sort(np.stack(found), axis=1)
+
+
+def run_size(
+    n: int, dim: int, k: int, runs: int, full: bool, dump: str | None
+) -> list[dict[str, Any]]:
     gen = torch.Generator(device="cuda").manual_seed(n + dim)
     idx = CudaFlatIndex(dim=dim, metric="ip", spec="cuda:flat,fp16")
     idx.reserve(n)
@@ -78,43 +158,23 @@ def run_size(n: int, dim: int, k: int, runs: int, full: bool) -> list[dict[str, 
     qs = torch.randn((runs, dim), generator=gen, device="cuda")
     idx.prefilter_min_rows = 0
     rows = []
-    for prefilter in (True, False) if full else (True,):
-        ws = idx._workspace(1, k, private=True, prefilter=prefilter)
-        p = ws["programs"]
-        status = torch.zeros(1, dtype=torch.int32, device="cuda")
-        scores = torch.empty((1, k), dtype=torch.float32, device="cuda")
-        ids = torch.empty((1, k), dtype=torch.int64, device="cuda")
-        q = torch.empty((1, dim), dtype=torch.float32, device="cuda")
-        q.copy_(qs[:1])
-
-        st = status if prefilter else None
-        launch = functools.partial(idx._launch, q, k, idx._no_filter, False, scores, ids, ws, st)
-        eager = _event_times(torch, launch, 20)
-        eager = _event_times(torch, launch, 200) / 1e3
-        idx.trace = torch.zeros((p + 1, 8), dtype=torch.int64, device="cuda")
-        traces = []
-        unproven = 0
-        for i in range(runs):
-            q.copy_(qs[i : i + 1])
-            launch()
-            torch.cuda.synchronize()
-            traces.append(idx.trace.cpu().numpy().copy())
-            unproven += prefilter and int(status[0]) != 1
-        idx.trace = None
-        g = idx.graph(1, k, prefilter=prefilter)
-        g.query.copy_(qs[:1])
-        graph = g.prefilter_cuda_graph() if prefilter else g.cuda_graph()
-        _event_times(torch, graph.replay, 20)
-        replay = _event_times(torch, graph.replay, 200) / 1e3
-        row = {
-            "n": n, "dim": dim, "k": k, "scan": "int8 prefilter" if prefilter else "full fp16",
-            "programs": p, "block_n": max(ws["cfg"].block_n, ws["cand"].shape[2]),
-            "lists": ws["cand"].shape[2], "runs": runs, "unproven": unproven,
-            "eager_event_p50_us": _median(eager), "graph_event_p50_us": _median(replay),
-            **_phases(traces, p),
-        }  # fmt: skip
+    want = None
+    chunk = kern.FUSED_CHUNK
+    variants = [(True, False, chunk), (True, True, chunk), (True, True, 2 * chunk)]
+    if full:
+        variants += [(False, False, chunk), (False, True, chunk)]
+    for prefilter, insert, step in variants:
+        try:  # a variant Triton cannot build: say so, go on
+            row, found = _variant(idx, qs, k, prefilter, insert, step, dump)
+        except Exception as exc:
+            row, found = {"n": n, "dim": dim, "error": repr(exc)[:2000]}, None
+            idx.trace = idx.prefilter_config = idx.scan_config = None
+        if found is not None:  # every variant's ids against the first's (exact: equal)
+            want = found if want is None else want
+            row["ids_differ_from_first"] = int((found != want).any(axis=1).sum())
         print(row, flush=True)
         rows.append(row)
+    kern.FUSED_CHUNK = chunk
     return rows
 
 
@@ -126,11 +186,12 @@ def main() -> int:
     ap.add_argument("--full", action="store_true", help="the full fp16 scan too")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--suffix", default=None)
+    ap.add_argument("--dump", default=None, help="a folder for every run's raw trace (.npy)")
     args = ap.parse_args()
     rows: list[dict[str, Any]] = []
     for size in args.sizes:
         n, dim = (int(v) for v in size.split("x"))
-        rows += run_size(n, dim, args.k, args.runs, args.full)
+        rows += run_size(n, dim, args.k, args.runs, args.full, args.dump)
         torch.cuda.empty_cache()
         write_result("search-gpu-phases", "H200", vars(args), rows, args.out, args.suffix)
     return 0

@@ -137,6 +137,29 @@ def _merge_desc(a, b):
     return tl.reshape(h, a.shape)
 
 
+@triton.jit
+def _insert_top(run, keys, KP: tl.constexpr):
+    # run: [1, KP] sorted descending; keys: [1, N] -> (the top-KP of both, sorted descending;
+    # the keys inserted). One key at a time, largest first, while it beats the list's last:
+    # a tile whose bound check passed usually holds one to three such keys, so this costs a
+    # few reductions where a bitonic top-KP of the tile costs ~25 compare-exchange layers.
+    # Uniform in the program's threads: it reads nothing that other programs write.
+    kk = tl.arange(0, KP)[None, :]
+    shift = kk[:, :, None] == kk[:, None, :] + 1  # [1, KP, KP]: shift[j, i]: i == j - 1
+    m = tl.max(keys, axis=1)  # [1]
+    last = tl.min(run, axis=1)
+    i = 0
+    while (i < KP) & (tl.max((m > last).to(tl.int32), axis=0) > 0):
+        pos = tl.sum((run > m[:, None]).to(tl.int32), axis=1)[:, None]  # [1, 1]
+        prev = tl.sum(tl.where(shift, run[:, None, :], 0), axis=2)  # prev[j] = run[j - 1]
+        run = tl.where(kk < pos, run, tl.where(kk == pos, m[:, None], prev))
+        keys = tl.where(keys == m[:, None], _KEY_NONE, keys)
+        m = tl.max(keys, axis=1)
+        last = tl.min(run, axis=1)
+        i += 1
+    return run, i
+
+
 # ------------------------------------------------------------------------------------- keys
 
 
@@ -436,6 +459,7 @@ def _scan_topk_kernel(
     USE_THR: tl.constexpr,  # the lists' k-th key as a bound too (lists of >= k rows)
     PUBLISH: tl.constexpr,  # CODES: store seq at pub once proven; 0 off, 1 plain, 2 fenced (GPU)
     TRACE: tl.constexpr,  # 0 off; 1 counts only (the interpreter); 2 counts and GPU clocks
+    INSERT: tl.constexpr,  # nq == 1: a merged tile's keys go into the list one at a time
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -444,6 +468,7 @@ def _scan_topk_kernel(
         tl.store(trace_ptr + pid * 8 + 5, _smid(pid, TRACE))
     merged = 0
     walked = 0
+    inserted = 0
     n = tl.load(n_ptr)
     n_tiles = tl.cdiv(n, BLOCK_N)
 
@@ -529,7 +554,12 @@ def _scan_topk_kernel(
             walked += 1
             merged += (hit > 0).to(tl.int32)
         if hit > 0:
-            run = _merge_desc(run, _topk_desc(keys, KP))
+            if INSERT:
+                run, took = _insert_top(run, keys, KP)
+                if TRACE != 0:
+                    inserted += took
+            else:
+                run = _merge_desc(run, _topk_desc(keys, KP))
             if SKIP:
                 if USE_THR:
                     kth = tl.max(tl.where(kk[None, :] == k - 1, run, _KEY_NONE), axis=1)
@@ -543,6 +573,7 @@ def _scan_topk_kernel(
         tl.store(trace_ptr + pid * 8 + 1, _clock(pid, TRACE))
         tl.store(trace_ptr + pid * 8 + 2, merged)
         tl.store(trace_ptr + pid * 8 + 3, walked)
+        tl.store(trace_ptr + pid * 8 + 6, inserted)
     if FUSED:
         # The last program to finish selects the final top-k, saving the merge launch. The
         # barrier orders every thread's candidate stores (and bound raises) before this
@@ -552,17 +583,18 @@ def _scan_topk_kernel(
         ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
         if ticket == P - 1:
             if CODES != 0:
-                key, bound = _select_top(
+                key, bound, total, lists_last = _select_top(
                     pid * 0, cand_ptr, thr_ptr, slot_ptr, surv_ptr, P * KP, kg, GW, KPC, SURV,
-                    CHUNK, True, True,
+                    CHUNK, True, True, KP,
                 )  # fmt: skip
                 if TRACE != 0:
                     tl.store(trace_ptr + P * 8, _clock(pid, TRACE))
-                if KPC > KP:
+                    tl.store(trace_ptr + P * 8 + 4, total)
+                if KPC > KP:  # noqa: SIM108 - a constexpr branch
                     # lists shorter than the rows kept: a row left out may also have been
                     # pushed off its program's list (below that list's last key) or skipped
                     # (below the bound): the proof must clear those too
-                    floor = tl.maximum(bound, _lists_last(cand_ptr, P * KP, KP, CHUNK))
+                    floor = tl.maximum(bound, lists_last)
                 else:
                     floor = bound * 0 + _KEY_NONE
                 top, exact = _rerank(
@@ -589,18 +621,6 @@ def _scan_topk_kernel(
                 tl.store(trace_ptr + P * 8 + 3, pid)  # the last program
     if TRACE != 0:
         tl.store(trace_ptr + pid * 8 + 4, _clock(pid, TRACE))
-
-
-@triton.jit
-def _lists_last(cand_ptr, NCAND, KP: tl.constexpr, CHUNK: tl.constexpr):
-    # the largest last key over the programs' sorted lists (cand [P, KP], this launch's)
-    offs = tl.arange(0, CHUNK)
-    last = tl.full([CHUNK], _KEY_NONE, tl.int64)
-    for c0 in range(0, NCAND, CHUNK):
-        m = (c0 + offs < NCAND) & ((c0 + offs) % KP == KP - 1)
-        c = tl.load(cand_ptr + c0 + offs, mask=m, other=_KEY_NONE, volatile=True)
-        last = tl.maximum(last, c)
-    return tl.max(last, axis=0)
 
 
 @triton.jit
@@ -671,9 +691,9 @@ def _final_topk(
     FRESH: tl.constexpr,
 ):
     # The final top-k of query qid from its candidates (see merge_topk), decoded and written.
-    key, _ = _select_top(
+    key, _, _, _ = _select_top(
         qid, cand_ptr, thr_ptr, slot_ptr, surv_ptr, NCAND, k, KP, KP, SURV, CHUNK, SELECT,
-        FRESH,
+        FRESH, KP,
     )  # fmt: skip
     _write_top(
         qid, key, ids_ptr, q_ptr, scores_ptr, out_ids_ptr, k, stride_q, stride_os, stride_oi,
@@ -696,10 +716,12 @@ def _select_top(
     CHUNK: tl.constexpr,
     SELECT: tl.constexpr,
     FRESH: tl.constexpr,
+    LIST: tl.constexpr,
 ):
     # -> ([KP] the top-KP keys of query qid's candidates, sorted descending, KEY_NONE padded;
-    # the final bound, every key skipped or not a survivor at most it). kg: the group bests
-    # in the state's slots (width GW).
+    # the final bound, every key skipped or not a survivor at most it; the survivors counted;
+    # the largest last key over the programs' sorted lists of LIST keys, in the same pass).
+    # kg: the group bests in the state's slots (width GW).
     # FRESH: the state and candidates were written by other programs of this same launch
     # (the fused scan's last program): read them past this multiprocessor's L1 (volatile).
     kk = tl.arange(0, KP)
@@ -716,12 +738,15 @@ def _select_top(
         offs = tl.arange(0, CHUNK)
         sbase = surv_ptr + qid.to(tl.int64) * SURV
         total = 0
+        lists_last = bound * 0 + _KEY_NONE
         for c0 in range(0, NCAND, CHUNK):
             c = tl.load(base + c0 + offs, mask=c0 + offs < NCAND, other=_KEY_NONE, volatile=FRESH)
             live = ((c >= bound) & (c != _KEY_NONE)).to(tl.int32)
             pos = total + tl.cumsum(live, axis=0) - 1
             tl.store(sbase + pos, c, mask=(live != 0) & (pos < SURV))
             total += tl.sum(live, axis=0)
+            ends = tl.where((c0 + offs) % LIST == LIST - 1, c, _KEY_NONE)
+            lists_last = tl.maximum(lists_last, tl.max(ends, axis=0))
         # the survivors stored above are read below by other threads of this program; and
         # every thread has read thr and the group bests before they are reset further down
         tl.debug_barrier()
@@ -744,7 +769,9 @@ def _select_top(
     else:
         key = tl.load(base + kk, mask=kk < NCAND, other=_KEY_NONE)
         bound = qid.to(tl.int64) * 0 + _KEY_NONE
-    return key, bound
+        total = qid * 0
+        lists_last = bound
+    return key, bound, total, lists_last
 
 
 @triton.jit
@@ -875,11 +902,13 @@ class ScanConfig:
     (``tl.dot``) rather than FMAs; skip: the published-threshold skip (off only for experiments);
     programs_per_sm: persistent programs per multiprocessor (the grid is fixed by capacity);
     fused: a single query's final top-k is selected by the scan's last program rather than by a
-    second launch (``merge_topk``).
+    second launch (``merge_topk``); insert: a single query's program merges a tile into its
+    list one key at a time (``_insert_top``) rather than by a bitonic top-k of the tile.
     """
 
     __slots__ = (
-        "block_n", "fused", "num_stages", "num_warps", "programs_per_sm", "skip", "use_dot",
+        "block_n", "fused", "insert", "num_stages", "num_warps", "programs_per_sm", "skip",
+        "use_dot",
     )  # fmt: skip
 
     def __init__(
@@ -891,9 +920,11 @@ class ScanConfig:
         skip: bool = True,
         programs_per_sm: int = 2,
         fused: bool = True,
+        insert: bool = False,
     ) -> None:
         self.block_n = block_n
         self.fused = fused
+        self.insert = insert
         self.num_warps = num_warps
         self.num_stages = num_stages
         self.use_dot = use_dot
@@ -904,7 +935,7 @@ class ScanConfig:
         return (
             f"ScanConfig(block_n={self.block_n}, num_warps={self.num_warps}, "
             f"num_stages={self.num_stages}, use_dot={self.use_dot}, skip={self.skip}, "
-            f"programs_per_sm={self.programs_per_sm}, fused={self.fused})"
+            f"programs_per_sm={self.programs_per_sm}, fused={self.fused}, insert={self.insert})"
         )
 
 
@@ -1158,8 +1189,10 @@ def scan_topk(
     trace: None, or a [programs + 1, 8] int64 tensor that the kernel fills with where its time
     goes (a probe's: ``bench/search_gpu_phases.py``). Row p < programs, program p: 0 its
     start, 1 the end of its scan, 2 tiles merged into its list, 3 tiles walked, 4 its end,
-    5 its multiprocessor. Row programs, the fused last program: 0 the selection done,
-    1 the re-rank done (prefilter), 2 the results written (prefilter), 3 its program id.
+    5 its multiprocessor, 6 keys inserted into its list (``cfg.insert``). Row programs, the
+    fused last program: 0 the selection done, 1 the re-rank done (prefilter), 2 the results
+    written (prefilter), 3 its program id, 4 the candidates that passed the final bound
+    (prefilter).
     Times are the GPU's global clock in ns (0 under the interpreter, which fills the counts).
     """
     nq, dim = q.shape
@@ -1251,6 +1284,7 @@ def scan_topk(
         USE_THR=kp >= kpc,
         PUBLISH=publish_mode,
         TRACE=0 if trace is None else 2 if mode == "ptx" else 1,
+        INSERT=cfg.insert and nq == 1,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
