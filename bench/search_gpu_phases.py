@@ -15,9 +15,8 @@ the medians of:
 - tiles walked and merged per program (merged: sorted into its list; the rest were skipped
   by the bound);
 
-beside the CUDA-event time of the same launch (eager) and of the index's graph (no trace);
-each scan with its tiles merged by a bitonic top-k (the default) and by insertion
-(``ScanConfig.insert``), and every variant's ids against the first's.
+beside the CUDA-event time of the same launch (eager) and of the index's graph (no trace), and
+the full scan's ids against the prefilter's.
 
 Usage (CUDA machine): ``python3 bench/search_gpu_phases.py --out DIR [--sizes 1000000x128]
 [--full] [--suffix s8]``
@@ -26,7 +25,6 @@ Usage (CUDA machine): ``python3 bench/search_gpu_phases.py --out DIR [--sizes 10
 from __future__ import annotations
 
 import argparse
-import copy
 import functools
 import os
 from typing import Any
@@ -37,7 +35,6 @@ import torch
 from kalos.bench.common import write_result
 from kalos.bench.search_gpu import _event_times
 from kalos.index.cuda_flat import CudaFlatIndex
-from kalos.index.kernels import scan_topk as kern
 
 
 def _median(v: Any) -> float:
@@ -65,6 +62,9 @@ def _phases(traces: list[np.ndarray], p: int) -> dict[str, Any]:
         put("tail_us", (lp[4] - lp[1]) / 1e3)
         if last[0] > 0:  # the prefilter's phases
             put("select_us", (last[0] - lp[1]) / 1e3)
+            put("select_compact_us", (last[5] - lp[1]) / 1e3)
+            put("select_sort_us", (last[6] - last[5]) / 1e3)
+            put("survivors", float(last[4]))
             put("rerank_us", (last[1] - last[0]) / 1e3)
             put("write_us", (last[2] - last[1]) / 1e3)
             put("publish_reset_us", (lp[4] - last[2]) / 1e3)
@@ -90,20 +90,11 @@ def _phases(traces: list[np.ndarray], p: int) -> dict[str, Any]:
 
 
 def _variant(
-    idx: Any, qs: Any, k: int, prefilter: bool, insert: bool, chunk: int, dump: str | None
+    idx: Any, qs: Any, k: int, prefilter: bool, dump: str | None
 ) -> tuple[dict[str, Any], np.ndarray]:
-    """One scan (prefilter or full, bitonic or insertion merge, the last program's candidates
-    per step): its traced runs over the queries ``qs`` and its CUDA-event times; returns its
-    row and the ids it found."""
+    """One scan (the prefilter's or the full one): its traced runs over the queries ``qs``
+    and its CUDA-event times; returns its row and the ids it found."""
     n, dim = len(idx), idx.dim
-    kern.FUSED_CHUNK = chunk
-    base = kern.choose_prefilter_config(dim, True) if prefilter else idx._config(1, k)
-    cfg = copy.copy(base)
-    cfg.insert = insert
-    if prefilter:
-        idx.prefilter_config = cfg
-    else:
-        idx.scan_config = cfg
     ws = idx._workspace(1, k, private=True, prefilter=prefilter)
     p = ws["programs"]
     status = torch.zeros(1, dtype=torch.int32, device="cuda")
@@ -127,20 +118,17 @@ def _variant(
         unproven += prefilter and int(status[0]) != 1
     idx.trace = None
     if dump:
-        kind = f"{'pre' if prefilter else 'full'}-{'ins' if insert else 'bit'}-{chunk}"
-        name = f"trace-{n}x{dim}-{kind}"
+        name = f"trace-{n}x{dim}-{'pre' if prefilter else 'full'}"
         np.save(os.path.join(dump, name + ".npy"), np.stack(traces))
     g = idx.graph(1, k, prefilter=prefilter)
     g.query.copy_(qs[:1])
     graph = g.prefilter_cuda_graph() if prefilter else g.cuda_graph
     _event_times(torch, graph.replay, 20)
     replay = _event_times(torch, graph.replay, 200) / 1e3
-    idx.prefilter_config = idx.scan_config = None
     row = {
         "n": n, "dim": dim, "k": k, "scan": "int8 prefilter" if prefilter else "full fp16",
-        "merge": "insertion" if insert else "bitonic", "chunk": chunk, "config": repr(cfg),
-        "programs": p,
-        "block_n": max(cfg.block_n, ws["cand"].shape[2]), "lists": ws["cand"].shape[2],
+        "config": repr(ws["cfg"]), "programs": p,
+        "block_n": max(ws["cfg"].block_n, ws["cand"].shape[2]), "lists": ws["cand"].shape[2],
         "runs": len(qs), "unproven": unproven,
         "eager_event_p50_us": _median(eager), "graph_event_p50_us": _median(replay),
         **_phases(traces, p),
@@ -159,22 +147,13 @@ def run_size(
     idx.prefilter_min_rows = 0
     rows = []
     want = None
-    chunk = kern.FUSED_CHUNK
-    variants = [(True, False, chunk), (True, True, chunk), (True, True, 2 * chunk)]
-    if full:
-        variants += [(False, False, chunk), (False, True, chunk)]
-    for prefilter, insert, step in variants:
-        try:  # a variant Triton cannot build: say so, go on
-            row, found = _variant(idx, qs, k, prefilter, insert, step, dump)
-        except Exception as exc:
-            row, found = {"n": n, "dim": dim, "error": repr(exc)[:2000]}, None
-            idx.trace = idx.prefilter_config = idx.scan_config = None
-        if found is not None:  # every variant's ids against the first's (exact: equal)
-            want = found if want is None else want
-            row["ids_differ_from_first"] = int((found != want).any(axis=1).sum())
+    for prefilter in (True, False) if full else (True,):
+        row, found = _variant(idx, qs, k, prefilter, dump)
+        # exact either way: the prefilter's ids are the full scan's
+        want = found if want is None else want
+        row["ids_differ_from_first"] = int((found != want).any(axis=1).sum())
         print(row, flush=True)
         rows.append(row)
-    kern.FUSED_CHUNK = chunk
     return rows
 
 

@@ -130,60 +130,6 @@ def test_launch_shapes_fma_noskip_and_survivor_overflow():
         check_search(idx, x, ids, None, q, 10)
 
 
-@pytest.mark.parametrize("prefilter", [False, True])
-def test_insertion_merge_gives_the_bitonic_merges_answer(prefilter):
-    """ScanConfig(insert=True): a merged tile's keys go into the program's list one at a time.
-    The answer is the bitonic merge's, bit for bit, with ties, a scope filter, removed rows and
-    k above a list's length (the first tile fills the list; later tiles insert a few keys, or
-    none when the tile's best is below the list's last); the trace counts the insertions."""
-    from kalos.index.kernels import ScanConfig
-
-    rng = np.random.default_rng(21)
-    dim, n = 64, 1500
-    x = rng.standard_normal((n, dim)).astype(np.float32)
-    x[700:720] = x[5]  # ties: equal scores, the row decides
-    ids = np.arange(n, dtype=np.int64) * 7
-    scopes = rng.integers(1, 3, size=(n, 3)).astype(np.int64)
-    live = np.ones(n, dtype=bool)
-    live[10:40] = False
-    q = (x[5] + 0.05 * rng.standard_normal(dim)).astype(np.float32)[None]
-    got = {}
-    for insert in (False, True):
-        idx = make_index("ip", "fp32", dim, "cpu")
-        idx.add(x, ids, scopes)
-        idx.remove(ids[~live])
-        cfg = ScanConfig(block_n=64, num_warps=4, num_stages=1, programs_per_sm=4, insert=insert)
-        if prefilter:
-            idx.prefilter_config = cfg
-        else:
-            idx.scan_config = cfg
-        for k in (1, 10, 30):
-            for scope in (None, (1, 0, 0)):
-                g = check_graph_search(
-                    idx, x[live], ids[live], scopes[live], q, k, scope, prefilter=prefilter
-                )
-                assert g.prefilter == prefilter
-                got[insert, k, scope] = (g.ids.clone(), g.scores.clone())
-        ws = idx._workspace(1, 10, private=True, prefilter=prefilter)
-        p = ws["programs"]
-        idx.trace = torch.zeros((p + 1, 8), dtype=torch.int64)
-        status = torch.zeros(1, dtype=torch.int32)
-        out_s, out_i = torch.empty((1, 10)), torch.empty((1, 10), dtype=torch.int64)
-        st = status if prefilter else None
-        idx._launch(torch.from_numpy(q), 10, idx._no_filter, False, out_s, out_i, ws, st)
-        t = idx.trace.numpy()[:p]
-        if insert:  # the first tile fills each list; no tile inserts more than a list holds
-            kp = ws["cand"].shape[2]
-            assert (t[:, 6] >= kp).all() and (t[:, 6] <= kp * t[:, 2]).all()
-            assert (t[:, 6] < kp * t[:, 2]).any()  # and some merged tiles inserted fewer
-        else:
-            assert (t[:, 6] == 0).all()
-    for (insert, k, scope), (i, s) in got.items():
-        if insert:
-            ri, rs = got[False, k, scope]
-            assert torch.equal(i, ri) and torch.equal(s, rs), (k, scope)
-
-
 def test_fused_final_top_k_matches_the_merge_launch():
     """A single query's final top-k selected by the scan's last program (fused) equals the
     separate merge launch's, bit for bit, for every metric, with a survivor overflow (skip

@@ -137,29 +137,6 @@ def _merge_desc(a, b):
     return tl.reshape(h, a.shape)
 
 
-@triton.jit
-def _insert_top(run, keys, KP: tl.constexpr):
-    # run: [1, KP] sorted descending; keys: [1, N] -> (the top-KP of both, sorted descending;
-    # the keys inserted). One key at a time, largest first, while it beats the list's last:
-    # a tile whose bound check passed usually holds one to three such keys, so this costs a
-    # few reductions where a bitonic top-KP of the tile costs ~25 compare-exchange layers.
-    # Uniform in the program's threads: it reads nothing that other programs write.
-    kk = tl.arange(0, KP)[None, :]
-    shift = kk[:, :, None] == kk[:, None, :] + 1  # [1, KP, KP]: shift[j, i]: i == j - 1
-    m = tl.max(keys, axis=1)  # [1]
-    last = tl.min(run, axis=1)
-    i = 0
-    while (i < KP) & (tl.max((m > last).to(tl.int32), axis=0) > 0):
-        pos = tl.sum((run > m[:, None]).to(tl.int32), axis=1)[:, None]  # [1, 1]
-        prev = tl.sum(tl.where(shift, run[:, None, :], 0), axis=2)  # prev[j] = run[j - 1]
-        run = tl.where(kk < pos, run, tl.where(kk == pos, m[:, None], prev))
-        keys = tl.where(keys == m[:, None], _KEY_NONE, keys)
-        m = tl.max(keys, axis=1)
-        last = tl.min(run, axis=1)
-        i += 1
-    return run, i
-
-
 # ------------------------------------------------------------------------------------- keys
 
 
@@ -338,6 +315,28 @@ def _cta_any(x):
 
 
 @triton.jit
+def _load_l2(ptr, mask, other, PTX: tl.constexpr):
+    # int64 loads of words that other programs raise while this one runs (the scan's bounds),
+    # from L2 at the point of use. PTX: ld.relaxed.gpu in inline assembly, which Triton's
+    # pipeliner leaves where it is; a volatile tl.load in a pipelined loop may become an
+    # asynchronous copy through this multiprocessor's L1, whose stale line kept the bound at
+    # its first value on some multiprocessors for the whole scan (bench/NOTES-gpu.md, run 12).
+    # Otherwise (the interpreter) a volatile load.
+    if PTX:
+        return tl.inline_asm_elementwise(
+            "{ .reg .pred %p; setp.ne.s32 %p, $2, 0; mov.b64 $0, $3; "
+            "@%p ld.relaxed.gpu.global.b64 $0, [$1]; }",
+            "=l,l,r,l",
+            [ptr, mask.to(tl.int32), other],
+            dtype=tl.int64,
+            is_pure=False,
+            pack=1,
+        )
+    else:
+        return tl.load(ptr, mask=mask, other=other, volatile=True)
+
+
+@triton.jit
 def _fence_sys(x):
     # PTX fence.sc.sys in every thread: this thread's earlier stores (the results, in pinned
     # host memory) are visible to the host before any of its later ones. Returns x.
@@ -448,7 +447,7 @@ def _scan_topk_kernel(
     PREC: tl.constexpr,
     DOT_F32: tl.constexpr,
     NUM_STAGES: tl.constexpr,
-    CTA_OR: tl.constexpr,  # the skip decision through _cta_any (GPU; not under the interpreter)
+    CTA_OR: tl.constexpr,  # PTX: the skip through _cta_any, bounds through _load_l2 (GPU)
     FUSED: tl.constexpr,  # nq == 1: the last program to finish does merge_topk's work
     SURV: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -459,7 +458,6 @@ def _scan_topk_kernel(
     USE_THR: tl.constexpr,  # the lists' k-th key as a bound too (lists of >= k rows)
     PUBLISH: tl.constexpr,  # CODES: store seq at pub once proven; 0 off, 1 plain, 2 fenced (GPU)
     TRACE: tl.constexpr,  # 0 off; 1 counts only (the interpreter); 2 counts and GPU clocks
-    INSERT: tl.constexpr,  # nq == 1: a merged tile's keys go into the list one at a time
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -468,7 +466,6 @@ def _scan_topk_kernel(
         tl.store(trace_ptr + pid * 8 + 5, _smid(pid, TRACE))
     merged = 0
     walked = 0
-    inserted = 0
     n = tl.load(n_ptr)
     n_tiles = tl.cdiv(n, BLOCK_N)
 
@@ -540,10 +537,10 @@ def _scan_topk_kernel(
             # different values (module doc): each decides with its own, and the program merges
             # the tile if any of them says so, which keeps the branch uniform.
             if USE_THR:
-                thr = tl.load(thr_ptr + qs, mask=qs_ok, other=_KEY_NONE, volatile=True)
+                thr = _load_l2(thr_ptr + qs, qs_ok, tl.full([BQS], _KEY_NONE, tl.int64), CTA_OR)
             else:  # lists shorter than the bound's rank: the group bests alone
                 thr = tl.full([BQS], _KEY_NONE, tl.int64)
-            best = tl.load(slots, mask=slots_ok, other=_KEY_MAX, volatile=True)
+            best = _load_l2(slots, slots_ok, tl.full([BQS, GW], _KEY_MAX, tl.int64), CTA_OR)
             bound = tl.maximum(thr, tl.min(best, axis=1))
             hit = tl.max((tmax > bound).to(tl.int32), axis=0)
             if CTA_OR:
@@ -554,12 +551,7 @@ def _scan_topk_kernel(
             walked += 1
             merged += (hit > 0).to(tl.int32)
         if hit > 0:
-            if INSERT:
-                run, took = _insert_top(run, keys, KP)
-                if TRACE != 0:
-                    inserted += took
-            else:
-                run = _merge_desc(run, _topk_desc(keys, KP))
+            run = _merge_desc(run, _topk_desc(keys, KP))
             if SKIP:
                 if USE_THR:
                     kth = tl.max(tl.where(kk[None, :] == k - 1, run, _KEY_NONE), axis=1)
@@ -573,7 +565,6 @@ def _scan_topk_kernel(
         tl.store(trace_ptr + pid * 8 + 1, _clock(pid, TRACE))
         tl.store(trace_ptr + pid * 8 + 2, merged)
         tl.store(trace_ptr + pid * 8 + 3, walked)
-        tl.store(trace_ptr + pid * 8 + 6, inserted)
     if FUSED:
         # The last program to finish selects the final top-k, saving the merge launch. The
         # barrier orders every thread's candidate stores (and bound raises) before this
@@ -585,7 +576,7 @@ def _scan_topk_kernel(
             if CODES != 0:
                 key, bound, total, lists_last = _select_top(
                     pid * 0, cand_ptr, thr_ptr, slot_ptr, surv_ptr, P * KP, kg, GW, KPC, SURV,
-                    CHUNK, True, True, KP,
+                    CHUNK, True, True, KP, trace_ptr + P * 8, TRACE,
                 )  # fmt: skip
                 if TRACE != 0:
                     tl.store(trace_ptr + P * 8, _clock(pid, TRACE))
@@ -693,7 +684,7 @@ def _final_topk(
     # The final top-k of query qid from its candidates (see merge_topk), decoded and written.
     key, _, _, _ = _select_top(
         qid, cand_ptr, thr_ptr, slot_ptr, surv_ptr, NCAND, k, KP, KP, SURV, CHUNK, SELECT,
-        FRESH, KP,
+        FRESH, KP, cand_ptr, 0,
     )  # fmt: skip
     _write_top(
         qid, key, ids_ptr, q_ptr, scores_ptr, out_ids_ptr, k, stride_q, stride_os, stride_oi,
@@ -717,6 +708,8 @@ def _select_top(
     SELECT: tl.constexpr,
     FRESH: tl.constexpr,
     LIST: tl.constexpr,
+    trace_ptr,  # TRACE: the last program's row of scan_topk's trace
+    TRACE: tl.constexpr,
 ):
     # -> ([KP] the top-KP keys of query qid's candidates, sorted descending, KEY_NONE padded;
     # the final bound, every key skipped or not a survivor at most it; the survivors counted;
@@ -750,6 +743,8 @@ def _select_top(
         # the survivors stored above are read below by other threads of this program; and
         # every thread has read thr and the group bests before they are reset further down
         tl.debug_barrier()
+        if TRACE != 0:
+            tl.store(trace_ptr + 5, _clock(total, TRACE))
         if total <= SURV:  # the usual case: sort the few survivors
             so = tl.arange(0, SURV)
             sv = tl.load(sbase + so, mask=so < total, other=_KEY_NONE)
@@ -763,6 +758,8 @@ def _select_top(
                 )
                 top = _merge_desc(top, _topk_desc(c[None, :], KP))
         key = tl.reshape(top, [KP])
+        if TRACE != 0:
+            tl.store(trace_ptr + 6, _clock(total, TRACE))
         # reset the search state for the next search (a captured graph needs no reset node)
         tl.store(thr_ptr + qid, _KEY_NONE)
         tl.store(slot_ptr + qid * GW + gg, tl.full([GW], _KEY_NONE, tl.int64))
@@ -902,13 +899,11 @@ class ScanConfig:
     (``tl.dot``) rather than FMAs; skip: the published-threshold skip (off only for experiments);
     programs_per_sm: persistent programs per multiprocessor (the grid is fixed by capacity);
     fused: a single query's final top-k is selected by the scan's last program rather than by a
-    second launch (``merge_topk``); insert: a single query's program merges a tile into its
-    list one key at a time (``_insert_top``) rather than by a bitonic top-k of the tile.
+    second launch (``merge_topk``).
     """
 
     __slots__ = (
-        "block_n", "fused", "insert", "num_stages", "num_warps", "programs_per_sm", "skip",
-        "use_dot",
+        "block_n", "fused", "num_stages", "num_warps", "programs_per_sm", "skip", "use_dot",
     )  # fmt: skip
 
     def __init__(
@@ -920,11 +915,9 @@ class ScanConfig:
         skip: bool = True,
         programs_per_sm: int = 2,
         fused: bool = True,
-        insert: bool = False,
     ) -> None:
         self.block_n = block_n
         self.fused = fused
-        self.insert = insert
         self.num_warps = num_warps
         self.num_stages = num_stages
         self.use_dot = use_dot
@@ -935,7 +928,7 @@ class ScanConfig:
         return (
             f"ScanConfig(block_n={self.block_n}, num_warps={self.num_warps}, "
             f"num_stages={self.num_stages}, use_dot={self.use_dot}, skip={self.skip}, "
-            f"programs_per_sm={self.programs_per_sm}, fused={self.fused}, insert={self.insert})"
+            f"programs_per_sm={self.programs_per_sm}, fused={self.fused})"
         )
 
 
@@ -1189,10 +1182,10 @@ def scan_topk(
     trace: None, or a [programs + 1, 8] int64 tensor that the kernel fills with where its time
     goes (a probe's: ``bench/search_gpu_phases.py``). Row p < programs, program p: 0 its
     start, 1 the end of its scan, 2 tiles merged into its list, 3 tiles walked, 4 its end,
-    5 its multiprocessor, 6 keys inserted into its list (``cfg.insert``). Row programs, the
-    fused last program: 0 the selection done, 1 the re-rank done (prefilter), 2 the results
-    written (prefilter), 3 its program id, 4 the candidates that passed the final bound
-    (prefilter).
+    5 its multiprocessor. Row programs, the fused last program: 0 the selection done, 1 the
+    re-rank done (prefilter), 2 the results written (prefilter), 3 its program id, 4 the
+    candidates that passed the final bound (prefilter), 5 the survivors compacted, 6 their
+    top-k sorted (5 and 6: the selection's own steps, prefilter).
     Times are the GPU's global clock in ns (0 under the interpreter, which fills the counts).
     """
     nq, dim = q.shape
@@ -1284,7 +1277,6 @@ def scan_topk(
         USE_THR=kp >= kpc,
         PUBLISH=publish_mode,
         TRACE=0 if trace is None else 2 if mode == "ptx" else 1,
-        INSERT=cfg.insert and nq == 1,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
