@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 from typing import Any
 
 import numpy as np
@@ -35,6 +34,7 @@ import torch
 from kalos.bench.common import write_result
 from kalos.bench.search_gpu import _event_times
 from kalos.index.cuda_flat import CudaFlatIndex
+from kalos.index.kernels import scan_topk as kern
 
 
 def _median(v: Any) -> float:
@@ -119,7 +119,7 @@ def _variant(
     idx.trace = None
     if dump:
         name = f"trace-{n}x{dim}-{'pre' if prefilter else 'full'}"
-        np.save(os.path.join(dump, name + ".npy"), np.stack(traces))
+        np.save(dump + "-" + name + ".npy", np.stack(traces))
     g = idx.graph(1, k, prefilter=prefilter)
     g.query.copy_(qs[:1])
     graph = g.prefilter_cuda_graph() if prefilter else g.cuda_graph
@@ -137,7 +137,7 @@ def _variant(
 
 
 def run_size(
-    n: int, dim: int, k: int, runs: int, full: bool, dump: str | None
+    n: int, dim: int, k: int, runs: int, full: bool, dump: str | None, bounds: list[int]
 ) -> list[dict[str, Any]]:
     gen = torch.Generator(device="cuda").manual_seed(n + dim)
     idx = CudaFlatIndex(dim=dim, metric="ip", spec="cuda:flat,fp16")
@@ -147,13 +147,18 @@ def run_size(
     idx.prefilter_min_rows = 0
     rows = []
     want = None
-    for prefilter in (True, False) if full else (True,):
-        row, found = _variant(idx, qs, k, prefilter, dump)
-        # exact either way: the prefilter's ids are the full scan's
-        want = found if want is None else want
-        row["ids_differ_from_first"] = int((found != want).any(axis=1).sum())
-        print(row, flush=True)
-        rows.append(row)
+    default = kern.BOUND_LOADS
+    for mode in bounds:
+        kern.BOUND_LOADS = mode
+        for prefilter in (True, False) if full else (True,):
+            row, found = _variant(idx, qs, k, prefilter, dump and f"{dump}-b{mode}")
+            row["bound_loads"] = mode
+            # exact either way: the prefilter's ids are the full scan's
+            want = found if want is None else want
+            row["ids_differ_from_first"] = int((found != want).any(axis=1).sum())
+            print(row, flush=True)
+            rows.append(row)
+    kern.BOUND_LOADS = default
     return rows
 
 
@@ -165,12 +170,19 @@ def main() -> int:
     ap.add_argument("--full", action="store_true", help="the full fp16 scan too")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--suffix", default=None)
-    ap.add_argument("--dump", default=None, help="a folder for every run's raw trace (.npy)")
+    ap.add_argument("--dump", default=None, help="a path prefix for every run's raw trace")
+    ap.add_argument(
+        "--bounds",
+        nargs="+",
+        type=int,
+        default=[kern.BOUND_LOADS],
+        help="how the scan reads its bounds (kernels.BOUND_LOADS), each in turn",
+    )
     args = ap.parse_args()
     rows: list[dict[str, Any]] = []
     for size in args.sizes:
         n, dim = (int(v) for v in size.split("x"))
-        rows += run_size(n, dim, args.k, args.runs, args.full, args.dump)
+        rows += run_size(n, dim, args.k, args.runs, args.full, args.dump, args.bounds)
         torch.cuda.empty_cache()
         write_result("search-gpu-phases", "H200", vars(args), rows, args.out, args.suffix)
     return 0
