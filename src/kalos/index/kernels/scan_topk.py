@@ -346,7 +346,11 @@ def _bounds(thr_ptr, slots, qs, qs_ok, slots_ok, BQS: tl.constexpr, GW: tl.const
         thr = _load_l2(thr_ptr + qs, qs_ok, tl.full([BQS], _KEY_NONE, tl.int64), MODE)
     else:  # lists shorter than the bound's rank: the group bests alone
         thr = tl.full([BQS], _KEY_NONE, tl.int64)
-    best = _load_l2(slots, slots_ok, tl.full([BQS, GW], _KEY_MAX, tl.int64), MODE)
+    if MODE == 4:  # whole rows (the mask constant along them): 16-byte copies, past L1
+        best = tl.load(slots, mask=qs_ok[:, None], other=_KEY_MAX, volatile=True)
+        best = tl.where(slots_ok, best, _KEY_MAX)
+    else:
+        best = _load_l2(slots, slots_ok, tl.full([BQS, GW], _KEY_MAX, tl.int64), MODE)
     return thr, best
 
 
@@ -1120,7 +1124,7 @@ def survivors_width(k: int) -> int:
 
 
 # How the scan reads the bounds on a GPU (_load_l2's MODE; experiments: bench/NOTES-gpu.md)
-BOUND_LOADS = 2
+BOUND_LOADS = 0
 
 # Candidates per step of the fused final top-k: the scan's program (4 warps) holds a step in
 # registers, so smaller steps than merge_topk's own (8 warps, up to 8192).
