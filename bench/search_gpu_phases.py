@@ -34,7 +34,6 @@ import torch
 from kalos.bench.common import write_result
 from kalos.bench.search_gpu import _event_times
 from kalos.index.cuda_flat import CudaFlatIndex
-from kalos.index.kernels import scan_topk as kern
 
 
 def _median(v: Any) -> float:
@@ -137,7 +136,7 @@ def _variant(
 
 
 def run_size(
-    n: int, dim: int, k: int, runs: int, full: bool, dump: str | None, bounds: list[int]
+    n: int, dim: int, k: int, runs: int, full: bool, dump: str | None
 ) -> list[dict[str, Any]]:
     gen = torch.Generator(device="cuda").manual_seed(n + dim)
     idx = CudaFlatIndex(dim=dim, metric="ip", spec="cuda:flat,fp16")
@@ -147,18 +146,13 @@ def run_size(
     idx.prefilter_min_rows = 0
     rows = []
     want = None
-    default = kern.BOUND_LOADS
-    for mode in bounds:
-        kern.BOUND_LOADS = mode
-        for prefilter in (True, False) if full else (True,):
-            row, found = _variant(idx, qs, k, prefilter, dump and f"{dump}-b{mode}")
-            row["bound_loads"] = mode
-            # exact either way: the prefilter's ids are the full scan's
-            want = found if want is None else want
-            row["ids_differ_from_first"] = int((found != want).any(axis=1).sum())
-            print(row, flush=True)
-            rows.append(row)
-    kern.BOUND_LOADS = default
+    for prefilter in (True, False) if full else (True,):
+        row, found = _variant(idx, qs, k, prefilter, dump)
+        # exact either way: the prefilter's ids are the full scan's
+        want = found if want is None else want
+        row["ids_differ_from_first"] = int((found != want).any(axis=1).sum())
+        print(row, flush=True)
+        rows.append(row)
     return rows
 
 
@@ -171,18 +165,11 @@ def main() -> int:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--suffix", default=None)
     ap.add_argument("--dump", default=None, help="a path prefix for every run's raw trace")
-    ap.add_argument(
-        "--bounds",
-        nargs="+",
-        type=int,
-        default=[kern.BOUND_LOADS],
-        help="how the scan reads its bounds (kernels.BOUND_LOADS), each in turn",
-    )
     args = ap.parse_args()
     rows: list[dict[str, Any]] = []
     for size in args.sizes:
         n, dim = (int(v) for v in size.split("x"))
-        rows += run_size(n, dim, args.k, args.runs, args.full, args.dump, args.bounds)
+        rows += run_size(n, dim, args.k, args.runs, args.full, args.dump)
         torch.cuda.empty_cache()
         write_result("search-gpu-phases", "H200", vars(args), rows, args.out, args.suffix)
     return 0

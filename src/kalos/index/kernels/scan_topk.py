@@ -315,46 +315,6 @@ def _cta_any(x):
 
 
 @triton.jit
-def _load_l2(ptr, mask, other, MODE: tl.constexpr):
-    # int64 loads of words that other programs raise while this one runs (the scan's bounds).
-    # MODE 1, 2 (PTX): ld.relaxed.gpu in inline assembly, from L2 where it stands: Triton's
-    # pipeliner leaves it alone. MODE 0: a volatile tl.load, which in a pipelined loop may
-    # become an asynchronous copy through this multiprocessor's L1, whose stale line kept the
-    # bound at its first value on some multiprocessors for the whole scan (bench/NOTES-gpu.md,
-    # run 12); the interpreter's. MODE 3: the same with cache_modifier ".cg" (L2 only).
-    if MODE == 1 or MODE == 2:
-        return tl.inline_asm_elementwise(
-            "{ .reg .pred %p; setp.ne.s32 %p, $2, 0; mov.b64 $0, $3; "
-            "@%p ld.relaxed.gpu.global.b64 $0, [$1]; }",
-            "=l,l,r,l",
-            [ptr, mask.to(tl.int32), other],
-            dtype=tl.int64,
-            is_pure=False,
-            pack=1,
-        )
-    elif MODE == 3:
-        return tl.load(ptr, mask=mask, other=other, volatile=True, cache_modifier=".cg")
-    else:
-        return tl.load(ptr, mask=mask, other=other, volatile=True)
-
-
-@triton.jit
-def _bounds(thr_ptr, slots, qs, qs_ok, slots_ok, BQS: tl.constexpr, GW: tl.constexpr,
-            USE_THR: tl.constexpr, MODE: tl.constexpr):  # fmt: skip
-    # -> (thr [BQS], group bests [BQS, GW]) as this thread reads them now
-    if USE_THR:
-        thr = _load_l2(thr_ptr + qs, qs_ok, tl.full([BQS], _KEY_NONE, tl.int64), MODE)
-    else:  # lists shorter than the bound's rank: the group bests alone
-        thr = tl.full([BQS], _KEY_NONE, tl.int64)
-    if MODE == 4:  # whole rows (the mask constant along them): 16-byte copies, past L1
-        best = tl.load(slots, mask=qs_ok[:, None], other=_KEY_MAX, volatile=True)
-        best = tl.where(slots_ok, best, _KEY_MAX)
-    else:
-        best = _load_l2(slots, slots_ok, tl.full([BQS, GW], _KEY_MAX, tl.int64), MODE)
-    return thr, best
-
-
-@triton.jit
 def _fence_sys(x):
     # PTX fence.sc.sys in every thread: this thread's earlier stores (the results, in pinned
     # host memory) are visible to the host before any of its later ones. Returns x.
@@ -466,7 +426,6 @@ def _scan_topk_kernel(
     DOT_F32: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     CTA_OR: tl.constexpr,  # the skip decision through _cta_any (GPU; not under the interpreter)
-    BOUNDS: tl.constexpr,  # how the skip reads the bounds (_load_l2's MODE; 2: before the tile)
     FUSED: tl.constexpr,  # nq == 1: the last program to finish does merge_topk's work
     SURV: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -521,8 +480,6 @@ def _scan_topk_kernel(
     for t in tl.range(pid, n_tiles, P, num_stages=NUM_STAGES):
         rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < n
-        if SKIP and BOUNDS == 2:  # issued before the tile's scores, used after them
-            thr, best = _bounds(thr_ptr, slots, qs, qs_ok, slots_ok, BQS, GW, USE_THR, BOUNDS)
         if CODES != 0:
             s = _tile_upper(
                 codes_ptr, meta_ptr, sq_ptr, rows, rmask, cap, qv, qT8, q_scale, qn, rq,
@@ -557,8 +514,11 @@ def _scan_topk_kernel(
             # program, and the least of the k group bests (k distinct rows). Threads may read
             # different values (module doc): each decides with its own, and the program merges
             # the tile if any of them says so, which keeps the branch uniform.
-            if BOUNDS != 2:
-                thr, best = _bounds(thr_ptr, slots, qs, qs_ok, slots_ok, BQS, GW, USE_THR, BOUNDS)
+            if USE_THR:
+                thr = tl.load(thr_ptr + qs, mask=qs_ok, other=_KEY_NONE, volatile=True)
+            else:  # lists shorter than the bound's rank: the group bests alone
+                thr = tl.full([BQS], _KEY_NONE, tl.int64)
+            best = tl.load(slots, mask=slots_ok, other=_KEY_MAX, volatile=True)
             bound = tl.maximum(thr, tl.min(best, axis=1))
             hit = tl.max((tmax > bound).to(tl.int32), axis=0)
             if CTA_OR:
@@ -1123,9 +1083,6 @@ def survivors_width(k: int) -> int:
     return 16 * key_width(k)
 
 
-# How the scan reads the bounds on a GPU (_load_l2's MODE; experiments: bench/NOTES-gpu.md)
-BOUND_LOADS = 0
-
 # Candidates per step of the fused final top-k: the scan's program (4 warps) holds a step in
 # registers, so smaller steps than merge_topk's own (8 warps, up to 8192).
 FUSED_CHUNK = 2048
@@ -1288,7 +1245,6 @@ def scan_topk(
         DOT_F32=_dot_f32(db),
         NUM_STAGES=cfg.num_stages,
         CTA_OR=mode == "ptx",
-        BOUNDS=BOUND_LOADS if mode == "ptx" else 0,
         FUSED=fused,
         SURV=surv.shape[1],
         CHUNK=min(FUSED_CHUNK, merge_chunk(ncand, k)),
