@@ -13,7 +13,9 @@ the medians of:
 - ``select``, ``rerank``, ``write``, ``tail``: the last program's phases after its own scan
   (``tail``: its scan's end to its end, all of them);
 - tiles walked and merged per program (merged: sorted into its list; the rest were skipped
-  by the bound);
+  by the bound), and over every program of every run: the merges' percentiles, how closely a
+  program's scan time follows its merges, and the programs that merged most with their
+  multiprocessors;
 
 beside the CUDA-event time of the same launch (eager) and of the index's graph (no trace), and
 the full scan's ids against the prefilter's.
@@ -72,19 +74,18 @@ def _phases(traces: list[np.ndarray], p: int) -> dict[str, Any]:
         put("merged_max", float(prog[:, 2].max()))
         put("programs_per_sm_max", float(np.bincount(prog[:, 5]).max()))
     out = {name: _median(v) for name, v in cols.items()}
-    # a program's scan against its tiles walked and merged, over every program of every run:
-    # what a tile costs when skipped, and what a merge adds
     prog = np.concatenate([t[:p] for t in traces])
-    a = np.stack([np.ones(len(prog)), prog[:, 3], prog[:, 2]], axis=1).astype(np.float64)
-    fit = np.linalg.lstsq(a, (prog[:, 1] - prog[:, 0]) / 1e3, rcond=None)[0]
-    out.update(fit_const_us=round(fit[0], 3), fit_tile_us=round(fit[1], 3),
-               fit_merge_us=round(fit[2], 3))  # fmt: skip
     merged = prog[:, 2]
     out["merged_percentiles"] = [int(v) for v in np.percentile(merged, [10, 50, 90, 99, 100])]
-    # the programs that merged most: their share by group (pid % 32) and by position on the SM
+    # how far a program's scan follows its merges (the slowest program is the one that merged
+    # most, run 12), and which programs merged most: the same ones run after run, and with
+    # them their multiprocessors (both programs of a stale one)
+    scan = (prog[:, 1] - prog[:, 0]).astype(np.float64)
+    out["scan_merged_corr"] = round(float(np.corrcoef(scan, merged)[0, 1]), 3)
     heavy = np.concatenate([np.nonzero(t[:p, 2] >= np.percentile(t[:p, 2], 95))[0] for t in traces])
-    out["heavy_pid_mod32"] = np.bincount(heavy % 32, minlength=32).tolist()
-    out["heavy_pids_top"] = np.bincount(heavy, minlength=p).argsort()[::-1][:12].tolist()
+    top = np.bincount(heavy, minlength=p).argsort()[::-1][:12]
+    out["heavy_pids_top"] = top.tolist()
+    out["heavy_pids_sm"] = traces[0][top, 5].tolist()
     return out
 
 
