@@ -18,10 +18,11 @@ the medians of:
   multiprocessors;
 
 beside the CUDA-event time of the same launch (eager) and of the index's graph (no trace), and
-the full scan's ids against the prefilter's.
+every variant's ids against the first's; ``--replicas 1 16`` repeats it all for each number
+of copies of the scan's bounds (``kernels.BOUND_REPLICAS``).
 
 Usage (CUDA machine): ``python3 bench/search_gpu_phases.py --out DIR [--sizes 1000000x128]
-[--full] [--suffix s8]``
+[--full] [--replicas 1 16] [--dump PREFIX] [--suffix s8]``
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch
 from kalos.bench.common import write_result
 from kalos.bench.search_gpu import _event_times
 from kalos.index.cuda_flat import CudaFlatIndex
+from kalos.index.kernels import scan_topk as kern
 
 
 def _median(v: Any) -> float:
@@ -137,7 +139,7 @@ def _variant(
 
 
 def run_size(
-    n: int, dim: int, k: int, runs: int, full: bool, dump: str | None
+    n: int, dim: int, k: int, runs: int, full: bool, dump: str | None, replicas: list[int]
 ) -> list[dict[str, Any]]:
     gen = torch.Generator(device="cuda").manual_seed(n + dim)
     idx = CudaFlatIndex(dim=dim, metric="ip", spec="cuda:flat,fp16")
@@ -147,13 +149,18 @@ def run_size(
     idx.prefilter_min_rows = 0
     rows = []
     want = None
-    for prefilter in (True, False) if full else (True,):
-        row, found = _variant(idx, qs, k, prefilter, dump)
-        # exact either way: the prefilter's ids are the full scan's
-        want = found if want is None else want
-        row["ids_differ_from_first"] = int((found != want).any(axis=1).sum())
-        print(row, flush=True)
-        rows.append(row)
+    default = kern.BOUND_REPLICAS
+    for reps in replicas:
+        kern.BOUND_REPLICAS = reps  # read when a workspace is made
+        for prefilter in (True, False) if full else (True,):
+            row, found = _variant(idx, qs, k, prefilter, dump and f"{dump}-r{reps}")
+            row["bound_replicas"] = reps
+            # exact either way: every variant's ids are the first's
+            want = found if want is None else want
+            row["ids_differ_from_first"] = int((found != want).any(axis=1).sum())
+            print(row, flush=True)
+            rows.append(row)
+    kern.BOUND_REPLICAS = default
     return rows
 
 
@@ -166,11 +173,18 @@ def main() -> int:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--suffix", default=None)
     ap.add_argument("--dump", default=None, help="a path prefix for every run's raw trace")
+    ap.add_argument(
+        "--replicas",
+        nargs="+",
+        type=int,
+        default=[kern.BOUND_REPLICAS],
+        help="copies of the scan's bounds (kernels.BOUND_REPLICAS), each in turn",
+    )
     args = ap.parse_args()
     rows: list[dict[str, Any]] = []
     for size in args.sizes:
         n, dim = (int(v) for v in size.split("x"))
-        rows += run_size(n, dim, args.k, args.runs, args.full, args.dump)
+        rows += run_size(n, dim, args.k, args.runs, args.full, args.dump, args.replicas)
         torch.cuda.empty_cache()
         write_result("search-gpu-phases", "H200", vars(args), rows, args.out, args.suffix)
     return 0

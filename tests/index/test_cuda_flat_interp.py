@@ -686,3 +686,52 @@ def test_trace_counts_every_tile_and_marks_the_last_program(prefilter):
     idx.trace = torch.zeros((p + 2, 8), dtype=torch.int64)
     with pytest.raises(ValueError, match="trace must be"):
         idx._launch(q, k, idx._no_filter, False, scores, out, ws, status if prefilter else None)
+
+
+def test_bound_replicas_raise_and_reset_every_copy(monkeypatch):
+    """kernels.BOUND_REPLICAS: copies of the scan's bounds, replica r read in a program's r-th
+    round of tiles. Every merge raises every copy, so the skip decides as with one copy (the
+    interpreter runs programs in turn: the tiles merged are the same), the answer is the same
+    bit for bit, and the final selection resets every copy (single queries fused, with and
+    without the prefilter; a batch through merge_topk)."""
+    from kalos.index.kernels import KEY_NONE
+    from kalos.index.kernels import scan_topk as kern
+
+    rng = np.random.default_rng(31)
+    dim, n, k = 64, 1200, 10
+    x = rng.standard_normal((n, dim)).astype(np.float32)
+    ids = np.arange(n, dtype=np.int64) + 5
+    q = rng.standard_normal((3, dim)).astype(np.float32)
+    runs = {}
+    for reps in (1, 4):
+        monkeypatch.setattr(kern, "BOUND_REPLICAS", reps)
+        idx = make_index("ip", "fp32", dim, "cpu")
+        idx.add(x, ids)
+        for prefilter, nq in ((False, 1), (True, 1), (False, 3)):
+            ws = idx._workspace(nq, k, private=True, prefilter=prefilter)
+            assert ws["replicas"] == reps and ws["state"][0].shape[0] == reps * nq
+            p = ws["programs"]
+            idx.trace = torch.zeros((p + 1, 8), dtype=torch.int64) if nq == 1 else None
+            status = torch.zeros(1, dtype=torch.int32)
+            scores = torch.full((nq, k), float("nan"))
+            got = torch.full((nq, k), -7, dtype=torch.int64)
+            st = status if prefilter else None
+            idx._launch(torch.from_numpy(q[:nq]), k, idx._no_filter, False, scores, got, ws, st)
+            check_result(idx, x, ids, None, q[:nq], k, scores.numpy(), got.numpy())
+            thr, slots, _ = ws["state"]
+            assert (thr == KEY_NONE).all() and (slots == KEY_NONE).all(), "a copy not reset"
+            merged = None if idx.trace is None else idx.trace[:p, 2].clone()
+            runs[reps, prefilter, nq] = (scores, got, merged)
+            idx.trace = None
+    for key in [key for key in runs if key[0] == 4]:
+        one = runs[(1, *key[1:])]
+        for a, b in zip(runs[key], one, strict=True):
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), key
+    with pytest.raises(ValueError, match="replicas must be a power of two"):
+        ws = idx._workspace(1, k, private=True)
+        qt = torch.from_numpy(q[:1])
+        kern.scan_topk(
+            idx._vecs, idx._sq, idx._scopes, idx._no_filter, qt, idx._n_dev, ws["state"],
+            ws["cand"], k=k, metric=0, scoped=False, programs=ws["programs"], cfg=ws["cfg"],
+            replicas=3,
+        )  # fmt: skip

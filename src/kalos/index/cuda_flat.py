@@ -498,12 +498,14 @@ class CudaFlatIndex:
         kk = self._keep(k) if prefilter else k  # rows kept by the scan
         kp = kern.key_width(kk)
         none = kern.KEY_NONE
+        reps = kern.BOUND_REPLICAS  # copies of thr and slots (kernels.scan_topk's replicas)
         ws: dict[str, Any] = {
             "state": (
-                torch.full((nq,), none, dtype=torch.int64, device=dev),  # thr
-                torch.full((nq, kp), none, dtype=torch.int64, device=dev),  # slots
+                torch.full((reps * nq,), none, dtype=torch.int64, device=dev),  # thr
+                torch.full((reps * nq, kp), none, dtype=torch.int64, device=dev),  # slots
                 torch.empty((nq, kern.survivors_width(kk)), dtype=torch.int64, device=dev),
             ),
+            "replicas": reps,
             "ticket": torch.zeros(1, dtype=torch.int32, device=dev),  # the fused scan's
         }
         if prefilter:
@@ -575,6 +577,7 @@ class CudaFlatIndex:
                 prefilter=prefilter,
                 publish=publish,
                 trace=self.trace,
+                replicas=ws["replicas"],
             )
             if fused:
                 return
@@ -588,6 +591,7 @@ class CudaFlatIndex:
                 k=k,
                 metric=self._metric_code,
                 select=True,
+                replicas=ws["replicas"],
             )
             return
         if "keys" not in ws:  # a smaller tail batch of a fast-path workspace: its own

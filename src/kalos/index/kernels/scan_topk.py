@@ -390,8 +390,8 @@ def _scan_topk_kernel(
     filt_ptr,  # filter: [3] int64 on the device (read when SCOPED)
     q_ptr,  # q: [nq, D] fp32 | fp16 | bf16, row-major with stride_q
     n_ptr,  # n: [1] int32, live rows; rows [0, n) are scanned
-    thr_ptr,  # thr: [>= nq] int64, largest published k-th key of one program; KEY_NONE at entry
-    slot_ptr,  # slots: [nq, KP] int64, best key of program group j = pid % k; KEY_NONE at entry
+    thr_ptr,  # thr: [REPL * RSTRIDE] int64, largest published k-th key of one program; KEY_NONE
+    slot_ptr,  # slots: [REPL * RSTRIDE, GW] int64, best key of program group j = pid % kg; NONE
     cand_ptr,  # cand: [nq, P, KP] int64, each program's top-KP keys, sorted descending
     ticket_ptr,  # ticket: [1] int32, programs finished (FUSED); 0 at entry, reset here
     surv_ptr,  # merge_topk's arguments, for the fused final top-k (FUSED)
@@ -404,6 +404,7 @@ def _scan_topk_kernel(
     seq_ptr,  # PUBLISH: [1] int64 on the device, the response's sequence number
     pub_ptr,  # PUBLISH: [1] int64 in registered host memory, the channel's response sequence
     trace_ptr,  # TRACE: [P + 1, 8] int64, where the time goes (see scan_topk's trace)
+    RSTRIDE,  # rows between two replicas of thr and slots (replica r of query q: r * RSTRIDE + q)
     nq,
     k,  # the rows kept per query: the final k, or the prefilter's candidates (CODES)
     kf,  # the final k (CODES)
@@ -436,6 +437,7 @@ def _scan_topk_kernel(
     USE_THR: tl.constexpr,  # the lists' k-th key as a bound too (lists of >= k rows)
     PUBLISH: tl.constexpr,  # CODES: store seq at pub once proven; 0 off, 1 plain, 2 fenced (GPU)
     TRACE: tl.constexpr,  # 0 off; 1 counts only (the interpreter); 2 counts and GPU clocks
+    REPL: tl.constexpr,  # replicas of the bounds (scan_topk's replicas)
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -472,9 +474,10 @@ def _scan_topk_kernel(
     qs_ok = qs < nq
     kk = tl.arange(0, KP)
     gg = tl.arange(0, GW)
-    slots = slot_ptr + qs[:, None] * GW + gg[None, :]  # [BQS, GW]
     slots_ok = qs_ok[:, None] & (gg[None, :] < kg)
-    my_slot = slot_ptr + qs * GW + pid % kg  # [BQS]
+    rr = tl.arange(0, REPL)[None, :]  # every replica, raised together
+    thr_all = thr_ptr + rr * RSTRIDE + qs[:, None]  # [BQS, REPL]
+    my_slot = slot_ptr + (rr * RSTRIDE + qs[:, None]) * GW + pid % kg  # [BQS, REPL]
 
     run = tl.full([BQS, KP], _KEY_NONE, tl.int64)
     for t in tl.range(pid, n_tiles, P, num_stages=NUM_STAGES):
@@ -514,10 +517,14 @@ def _scan_topk_kernel(
             # program, and the least of the k group bests (k distinct rows). Threads may read
             # different values (module doc): each decides with its own, and the program merges
             # the tile if any of them says so, which keeps the branch uniform.
+            # replica r of the bounds in the program's r-th round: a different line each round,
+            # so a line an earlier round left in this multiprocessor's L1 is not read again
+            row = ((t // P) % REPL) * RSTRIDE + qs
             if USE_THR:
-                thr = tl.load(thr_ptr + qs, mask=qs_ok, other=_KEY_NONE, volatile=True)
+                thr = tl.load(thr_ptr + row, mask=qs_ok, other=_KEY_NONE, volatile=True)
             else:  # lists shorter than the bound's rank: the group bests alone
                 thr = tl.full([BQS], _KEY_NONE, tl.int64)
+            slots = slot_ptr + row[:, None] * GW + gg[None, :]  # [BQS, GW]
             best = tl.load(slots, mask=slots_ok, other=_KEY_MAX, volatile=True)
             bound = tl.maximum(thr, tl.min(best, axis=1))
             hit = tl.max((tmax > bound).to(tl.int32), axis=0)
@@ -533,9 +540,10 @@ def _scan_topk_kernel(
             if SKIP:
                 if USE_THR:
                     kth = tl.max(tl.where(kk[None, :] == k - 1, run, _KEY_NONE), axis=1)
-                    tl.atomic_max(thr_ptr + qs, kth, mask=qs_ok, sem="relaxed")
-                top1 = tl.max(run, axis=1)
-                tl.atomic_max(my_slot, top1, mask=qs_ok, sem="relaxed")
+                    kth = tl.broadcast_to(kth[:, None], [BQS, REPL])
+                    tl.atomic_max(thr_all, kth, mask=qs_ok[:, None], sem="relaxed")
+                top1 = tl.broadcast_to(tl.max(run, axis=1)[:, None], [BQS, REPL])
+                tl.atomic_max(my_slot, top1, mask=qs_ok[:, None], sem="relaxed")
 
     out = cand_ptr + qs[:, None] * (P * KP) + pid * KP + kk[None, :]
     tl.store(out, run, mask=qs_ok[:, None])
@@ -554,7 +562,7 @@ def _scan_topk_kernel(
             if CODES != 0:
                 key, bound, total, lists_last = _select_top(
                     pid * 0, cand_ptr, thr_ptr, slot_ptr, surv_ptr, P * KP, kg, GW, KPC, SURV,
-                    CHUNK, True, True, KP, trace_ptr + P * 8, TRACE,
+                    CHUNK, True, True, KP, trace_ptr + P * 8, TRACE, RSTRIDE, REPL,
                 )  # fmt: skip
                 if TRACE != 0:
                     tl.store(trace_ptr + P * 8, _clock(pid, TRACE))
@@ -583,7 +591,7 @@ def _scan_topk_kernel(
                 _final_topk(
                     pid * 0, cand_ptr, thr_ptr, slot_ptr, surv_ptr, ids_ptr, q_ptr, scores_ptr,
                     out_ids_ptr, P * KP, k, stride_q, stride_os, stride_oi, D, BLOCK_D, KP,
-                    SURV, CHUNK, METRIC, True, True,
+                    SURV, CHUNK, METRIC, True, True, RSTRIDE, REPL,
                 )  # fmt: skip
             tl.store(ticket_ptr, 0)
             if TRACE != 0:
@@ -658,11 +666,13 @@ def _final_topk(
     METRIC: tl.constexpr,
     SELECT: tl.constexpr,
     FRESH: tl.constexpr,
+    RSTRIDE,
+    REPL: tl.constexpr,
 ):
     # The final top-k of query qid from its candidates (see merge_topk), decoded and written.
     key, _, _, _ = _select_top(
         qid, cand_ptr, thr_ptr, slot_ptr, surv_ptr, NCAND, k, KP, KP, SURV, CHUNK, SELECT,
-        FRESH, KP, cand_ptr, 0,
+        FRESH, KP, cand_ptr, 0, RSTRIDE, REPL,
     )  # fmt: skip
     _write_top(
         qid, key, ids_ptr, q_ptr, scores_ptr, out_ids_ptr, k, stride_q, stride_os, stride_oi,
@@ -688,6 +698,8 @@ def _select_top(
     LIST: tl.constexpr,
     trace_ptr,  # TRACE: the last program's row of scan_topk's trace
     TRACE: tl.constexpr,
+    RSTRIDE,  # the replicas of thr and slots (scan_topk's replicas): read the first, reset all
+    REPL: tl.constexpr,
 ):
     # -> ([KP] the top-KP keys of query qid's candidates, sorted descending, KEY_NONE padded;
     # the final bound, every key skipped or not a survivor at most it; the survivors counted;
@@ -739,8 +751,11 @@ def _select_top(
         if TRACE != 0:
             tl.store(trace_ptr + 6, _clock(total, TRACE))
         # reset the search state for the next search (a captured graph needs no reset node)
-        tl.store(thr_ptr + qid, _KEY_NONE)
-        tl.store(slot_ptr + qid * GW + gg, tl.full([GW], _KEY_NONE, tl.int64))
+        row = tl.arange(0, REPL) * RSTRIDE + qid  # every replica
+        tl.store(thr_ptr + row, tl.full([REPL], _KEY_NONE, tl.int64))
+        tl.store(
+            slot_ptr + row[:, None] * GW + gg[None, :], tl.full([REPL, GW], _KEY_NONE, tl.int64)
+        )
     else:
         key = tl.load(base + kk, mask=kk < NCAND, other=_KEY_NONE)
         bound = qid.to(tl.int64) * 0 + _KEY_NONE
@@ -786,8 +801,8 @@ def _write_top(
 @triton.jit
 def _merge_topk_kernel(
     cand_ptr,  # cand: [nq, NCAND] int64 keys (SELECT) or [nq, NCAND] sorted keys (not SELECT)
-    thr_ptr,  # thr: [>= nq] int64, read then reset to KEY_NONE here (when SELECT)
-    slot_ptr,  # slots: [nq, KP] int64, read then reset to KEY_NONE here (when SELECT)
+    thr_ptr,  # thr: [REPL * RSTRIDE] int64, read then reset to KEY_NONE here (when SELECT)
+    slot_ptr,  # slots: [REPL * RSTRIDE, KP] int64, read then reset to KEY_NONE (when SELECT)
     surv_ptr,  # surv: [nq, SURV] int64 scratch: the candidates at or above the bound (SELECT)
     ids_ptr,  # ids: [cap] int64, row -> id
     q_ptr,  # q: [nq, D] (read for METRIC == 2: |q|^2)
@@ -805,11 +820,13 @@ def _merge_topk_kernel(
     CHUNK: tl.constexpr,
     METRIC: tl.constexpr,
     SELECT: tl.constexpr,
+    RSTRIDE,
+    REPL: tl.constexpr,
 ):
     _final_topk(
         tl.program_id(0), cand_ptr, thr_ptr, slot_ptr, surv_ptr, ids_ptr, q_ptr, scores_ptr,
         out_ids_ptr, NCAND, k, stride_q, stride_os, stride_oi, D, BLOCK_D, KP, SURV, CHUNK,
-        METRIC, SELECT, False,
+        METRIC, SELECT, False, RSTRIDE, REPL,
     )  # fmt: skip
 
 
@@ -1083,6 +1100,11 @@ def survivors_width(k: int) -> int:
     return 16 * key_width(k)
 
 
+# Copies of the scan's bounds (thr, slots), each read in its own round of tiles. One, unless
+# measuring: with one, a bound's line may stay in a multiprocessor's L1 (the prefilter's
+# pipelined loads are copies through L1) and some programs then merge every tile (run 12).
+BOUND_REPLICAS = 1
+
 # Candidates per step of the fused final top-k: the scan's program (4 warps) holds a step in
 # registers, so smaller steps than merge_topk's own (8 warps, up to 8192).
 FUSED_CHUNK = 2048
@@ -1130,6 +1152,7 @@ def scan_topk(
     prefilter: tuple | None = None,
     publish: tuple | None = None,
     trace: Any = None,
+    replicas: int = 1,
 ) -> bool:
     """Launch the fused scan.
 
@@ -1156,6 +1179,10 @@ def scan_topk(
     result stores visible to the host and then stores seq into dest (a release at system
     scope), so that a host waiting on dest may read the results without waiting for the
     stream. Unproven: dest is left alone. Needs :func:`publish_ok`.
+
+    replicas: copies of the bounds (a power of two): thr [replicas * m] and slots [replicas * m,
+    KP] hold replica r of query q at row r * m + q (m >= nq); the scan raises every replica
+    and reads replica r in its r-th round of tiles (:data:`BOUND_REPLICAS`).
 
     trace: None, or a [programs + 1, 8] int64 tensor that the kernel fills with where its time
     goes (a probe's: ``bench/search_gpu_phases.py``). Row p < programs, program p: 0 its
@@ -1186,6 +1213,8 @@ def scan_topk(
     else:
         seq, dest = publish
         publish_mode = 2 if mode == "ptx" else 1
+    if replicas < 1 or replicas & (replicas - 1) or state[0].shape[0] % replicas:
+        raise ValueError(f"replicas must be a power of two dividing thr's rows, not {replicas}")
     if trace is not None and trace.shape != (programs + 1, 8):
         raise ValueError(f"trace must be [{programs + 1}, 8], not {list(trace.shape)}")
     kpc = key_width(k)
@@ -1223,6 +1252,7 @@ def scan_topk(
         seq,
         dest,
         db if trace is None else trace,
+        thr.shape[0] // replicas,
         nq,
         k,
         kf,
@@ -1255,6 +1285,7 @@ def scan_topk(
         USE_THR=kp >= kpc,
         PUBLISH=publish_mode,
         TRACE=0 if trace is None else 2 if mode == "ptx" else 1,
+        REPL=replicas,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -1280,13 +1311,15 @@ def merge_topk(
     select: bool,
     num_warps: int = 8,
     chunk: int | None = None,
+    replicas: int = 1,
 ) -> None:
     """Final top-k per query, decoded to (score, id).
 
     cand: [nq, NCAND] int64 keys (any order when select, sorted descending otherwise);
     state: scan_topk's (thr, slots, surv); thr and slots are read and reset here when select;
     ids: [cap] int64; q: [nq, D]; scores_out: [nq, k] fp32 and ids_out: [nq, k] int64, unit
-    stride in k. chunk: candidates per step (a power of two >= KP; tests). No host sync.
+    stride in k. chunk: candidates per step (a power of two >= KP; tests). replicas: as for
+    :func:`scan_topk` (every replica is reset). No host sync.
     """
     nq, ncand = cand.shape
     dim = q.shape[1]
@@ -1315,6 +1348,8 @@ def merge_topk(
         CHUNK=max(next_pow2(chunk), kp),
         METRIC=metric,
         SELECT=select,
+        RSTRIDE=thr.shape[0] // replicas,
+        REPL=replicas,
         num_warps=num_warps,
     )
 
