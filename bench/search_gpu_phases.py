@@ -19,7 +19,9 @@ the medians of:
 
 beside the CUDA-event time of the same launch (eager) and of the index's graph (no trace), and
 every variant's ids against the first's; ``--replicas 1 16`` repeats it all for each number
-of copies of the scan's bounds (``kernels.BOUND_REPLICAS``).
+of copies of the scan's bounds (``ScanConfig.bound_replicas``; the tuned shapes otherwise, and
+with it the index's own choices of shape, overridden: below ~270K rows that also lifts the cap
+on programs).
 
 Usage (CUDA machine): ``python3 bench/search_gpu_phases.py --out DIR [--sizes 1000000x128]
 [--full] [--replicas 1 16] [--dump PREFIX] [--suffix s8]``
@@ -139,7 +141,7 @@ def _variant(
 
 
 def run_size(
-    n: int, dim: int, k: int, runs: int, full: bool, dump: str | None, replicas: list[int]
+    n: int, dim: int, k: int, runs: int, full: bool, dump: str | None, replicas: list[int] | None
 ) -> list[dict[str, Any]]:
     gen = torch.Generator(device="cuda").manual_seed(n + dim)
     idx = CudaFlatIndex(dim=dim, metric="ip", spec="cuda:flat,fp16")
@@ -149,18 +151,22 @@ def run_size(
     idx.prefilter_min_rows = 0
     rows = []
     want = None
-    default = kern.BOUND_REPLICAS
-    for reps in replicas:
-        kern.BOUND_REPLICAS = reps  # read when a workspace is made
+    for reps in replicas or [None]:
+        if reps is not None:  # the tuned shapes with this many copies of the bounds
+            pre = kern.choose_prefilter_config(dim, True, idx.prefilter_mode)
+            idx.prefilter_config = pre.replace(bound_replicas=reps)
+            fp16 = kern.choose_config(dim, 2, 1, k, True)
+            idx.scan_config = fp16.replace(bound_replicas=reps)
         for prefilter in (True, False) if full else (True,):
             row, found = _variant(idx, qs, k, prefilter, dump and f"{dump}-r{reps}")
-            row["bound_replicas"] = reps
+            row["bound_replicas"] = idx._workspace(1, k, private=True, prefilter=prefilter)[
+                "replicas"
+            ]
             # exact either way: every variant's ids are the first's
             want = found if want is None else want
             row["ids_differ_from_first"] = int((found != want).any(axis=1).sum())
             print(row, flush=True)
             rows.append(row)
-    kern.BOUND_REPLICAS = default
     return rows
 
 
@@ -177,8 +183,8 @@ def main() -> int:
         "--replicas",
         nargs="+",
         type=int,
-        default=[kern.BOUND_REPLICAS],
-        help="copies of the scan's bounds (kernels.BOUND_REPLICAS), each in turn",
+        default=None,
+        help="copies of the scan's bounds (ScanConfig.bound_replicas), each in turn",
     )
     args = ap.parse_args()
     rows: list[dict[str, Any]] = []

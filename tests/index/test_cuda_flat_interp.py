@@ -688,8 +688,8 @@ def test_trace_counts_every_tile_and_marks_the_last_program(prefilter):
         idx._launch(q, k, idx._no_filter, False, scores, out, ws, status if prefilter else None)
 
 
-def test_bound_replicas_raise_and_reset_every_copy(monkeypatch):
-    """kernels.BOUND_REPLICAS: copies of the scan's bounds, replica r read in a program's r-th
+def test_bound_replicas_raise_and_reset_every_copy():
+    """ScanConfig.bound_replicas: copies of the scan's bounds, replica r read in a program's r-th
     round of tiles. Every merge raises every copy, so the skip decides as with one copy (the
     interpreter runs programs in turn: the tiles merged are the same), the answer is the same
     bit for bit, and the final selection resets every copy (single queries fused, with and
@@ -704,9 +704,11 @@ def test_bound_replicas_raise_and_reset_every_copy(monkeypatch):
     q = rng.standard_normal((3, dim)).astype(np.float32)
     runs = {}
     for reps in (1, 4):
-        monkeypatch.setattr(kern, "BOUND_REPLICAS", reps)
         idx = make_index("ip", "fp32", dim, "cpu")
         idx.add(x, ids)
+        idx.scan_config = kern.choose_config(dim, 4, 1, k, False).replace(bound_replicas=reps)
+        pre = kern.choose_prefilter_config(dim, False)
+        idx.prefilter_config = pre.replace(bound_replicas=reps)
         for prefilter, nq in ((False, 1), (True, 1), (False, 3)):
             ws = idx._workspace(nq, k, private=True, prefilter=prefilter)
             assert ws["replicas"] == reps and ws["state"][0].shape[0] == reps * nq
@@ -732,6 +734,6 @@ def test_bound_replicas_raise_and_reset_every_copy(monkeypatch):
         qt = torch.from_numpy(q[:1])
         kern.scan_topk(
             idx._vecs, idx._sq, idx._scopes, idx._no_filter, qt, idx._n_dev, ws["state"],
-            ws["cand"], k=k, metric=0, scoped=False, programs=ws["programs"], cfg=ws["cfg"],
-            replicas=3,
+            ws["cand"], k=k, metric=0, scoped=False, programs=ws["programs"],
+            cfg=ws["cfg"].replace(bound_replicas=3),
         )  # fmt: skip

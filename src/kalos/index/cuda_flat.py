@@ -498,16 +498,7 @@ class CudaFlatIndex:
         kk = self._keep(k) if prefilter else k  # rows kept by the scan
         kp = kern.key_width(kk)
         none = kern.KEY_NONE
-        reps = kern.BOUND_REPLICAS  # copies of thr and slots (kernels.scan_topk's replicas)
-        ws: dict[str, Any] = {
-            "state": (
-                torch.full((reps * nq,), none, dtype=torch.int64, device=dev),  # thr
-                torch.full((reps * nq, kp), none, dtype=torch.int64, device=dev),  # slots
-                torch.empty((nq, kern.survivors_width(kk)), dtype=torch.int64, device=dev),
-            ),
-            "replicas": reps,
-            "ticket": torch.zeros(1, dtype=torch.int32, device=dev),  # the fused scan's
-        }
+        ws: dict[str, Any] = {}
         if prefilter:
             cfg = self.prefilter_config or kern.choose_prefilter_config(
                 self.dim, self._on_gpu, self.prefilter_mode
@@ -521,7 +512,15 @@ class CudaFlatIndex:
             p = self._programs(cfg, k)
             ws.update(cfg=cfg, programs=p)
             ws["cand"] = torch.empty((nq, p, kp), dtype=torch.int64, device=dev)
-        else:
+        reps = ws["cfg"].bound_replicas if "cfg" in ws else 1  # copies of thr and slots
+        ws["state"] = (
+            torch.full((reps * nq,), none, dtype=torch.int64, device=dev),  # thr
+            torch.full((reps * nq, kp), none, dtype=torch.int64, device=dev),  # slots
+            torch.empty((nq, kern.survivors_width(kk)), dtype=torch.int64, device=dev),
+        )
+        ws["replicas"] = reps
+        ws["ticket"] = torch.zeros(1, dtype=torch.int32, device=dev)  # the fused scan's
+        if "cfg" not in ws:
             qc = max(1, min(nq, _GENERAL_PATH_BYTES // (8 * self._cap)))
             kk = min(k, self._cap)
             ws.update(chunk=qc, kk=kk)
@@ -577,7 +576,6 @@ class CudaFlatIndex:
                 prefilter=prefilter,
                 publish=publish,
                 trace=self.trace,
-                replicas=ws["replicas"],
             )
             if fused:
                 return

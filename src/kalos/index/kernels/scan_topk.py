@@ -437,7 +437,7 @@ def _scan_topk_kernel(
     USE_THR: tl.constexpr,  # the lists' k-th key as a bound too (lists of >= k rows)
     PUBLISH: tl.constexpr,  # CODES: store seq at pub once proven; 0 off, 1 plain, 2 fenced (GPU)
     TRACE: tl.constexpr,  # 0 off; 1 counts only (the interpreter); 2 counts and GPU clocks
-    REPL: tl.constexpr,  # replicas of the bounds (scan_topk's replicas)
+    REPL: tl.constexpr,  # replicas of the bounds (ScanConfig.bound_replicas)
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -698,7 +698,7 @@ def _select_top(
     LIST: tl.constexpr,
     trace_ptr,  # TRACE: the last program's row of scan_topk's trace
     TRACE: tl.constexpr,
-    RSTRIDE,  # the replicas of thr and slots (scan_topk's replicas): read the first, reset all
+    RSTRIDE,  # the replicas of thr and slots (ScanConfig.bound_replicas): read the first, reset all
     REPL: tl.constexpr,
 ):
     # -> ([KP] the top-KP keys of query qid's candidates, sorted descending, KEY_NONE padded;
@@ -894,11 +894,13 @@ class ScanConfig:
     (``tl.dot``) rather than FMAs; skip: the published-threshold skip (off only for experiments);
     programs_per_sm: persistent programs per multiprocessor (the grid is fixed by capacity);
     fused: a single query's final top-k is selected by the scan's last program rather than by a
-    second launch (``merge_topk``).
+    second launch (``merge_topk``); bound_replicas: copies of the scan's bounds (a power of
+    two; ``scan_topk``'s state), replica r read in a program's r-th round of tiles.
     """
 
     __slots__ = (
-        "block_n", "fused", "num_stages", "num_warps", "programs_per_sm", "skip", "use_dot",
+        "block_n", "bound_replicas", "fused", "num_stages", "num_warps", "programs_per_sm",
+        "skip", "use_dot",
     )  # fmt: skip
 
     def __init__(
@@ -910,8 +912,10 @@ class ScanConfig:
         skip: bool = True,
         programs_per_sm: int = 2,
         fused: bool = True,
+        bound_replicas: int = 1,
     ) -> None:
         self.block_n = block_n
+        self.bound_replicas = bound_replicas
         self.fused = fused
         self.num_warps = num_warps
         self.num_stages = num_stages
@@ -923,8 +927,14 @@ class ScanConfig:
         return (
             f"ScanConfig(block_n={self.block_n}, num_warps={self.num_warps}, "
             f"num_stages={self.num_stages}, use_dot={self.use_dot}, skip={self.skip}, "
-            f"programs_per_sm={self.programs_per_sm}, fused={self.fused})"
+            f"programs_per_sm={self.programs_per_sm}, fused={self.fused}, "
+            f"bound_replicas={self.bound_replicas})"
         )
+
+    def replace(self, **changes: Any) -> ScanConfig:
+        """A copy with ``changes`` (a probe's or a test's variant of a tuned shape)."""
+        fields = {name: getattr(self, name) for name in self.__slots__}
+        return ScanConfig(**{**fields, **changes})
 
 
 # The fast path keeps a top-KP list per program and sorts tiles of >= KP rows; above these KP
@@ -1092,6 +1102,10 @@ def choose_prefilter_config(dim: int, on_gpu: bool, mode: int = PREFILTER_DOT) -
         num_stages=stages,
         use_dot=mode == PREFILTER_DOT,
         programs_per_sm=2,
+        # 16 copies of the bounds: one in L1 goes stale under the pipelined int8 loads, and
+        # the programs on those multiprocessors merge every tile (runs 12-13: 1M 58.0 -> 51.0
+        # µs, 10M 346.9 -> 329.3; the full fp16 scan does not gain, and loses at 10M)
+        bound_replicas=16,
     )
 
 
@@ -1099,11 +1113,6 @@ def survivors_width(k: int) -> int:
     """SURV: room for the keys that pass the final bound (~50 for k = 10 at 1M-10M rows)."""
     return 16 * key_width(k)
 
-
-# Copies of the scan's bounds (thr, slots), each read in its own round of tiles. One, unless
-# measuring: with one, a bound's line may stay in a multiprocessor's L1 (the prefilter's
-# pipelined loads are copies through L1) and some programs then merge every tile (run 12).
-BOUND_REPLICAS = 1
 
 # Candidates per step of the fused final top-k: the scan's program (4 warps) holds a step in
 # registers, so smaller steps than merge_topk's own (8 warps, up to 8192).
@@ -1152,7 +1161,6 @@ def scan_topk(
     prefilter: tuple | None = None,
     publish: tuple | None = None,
     trace: Any = None,
-    replicas: int = 1,
 ) -> bool:
     """Launch the fused scan.
 
@@ -1180,9 +1188,10 @@ def scan_topk(
     scope), so that a host waiting on dest may read the results without waiting for the
     stream. Unproven: dest is left alone. Needs :func:`publish_ok`.
 
-    replicas: copies of the bounds (a power of two): thr [replicas * m] and slots [replicas * m,
-    KP] hold replica r of query q at row r * m + q (m >= nq); the scan raises every replica
-    and reads replica r in its r-th round of tiles (:data:`BOUND_REPLICAS`).
+    cfg.bound_replicas: copies of the bounds (a power of two): thr [replicas * m] and slots
+    [replicas * m, KP] hold replica r of query q at row r * m + q (m >= nq); every merge raises
+    every replica, a program reads replica r in its r-th round of tiles, and the selection
+    resets them all.
 
     trace: None, or a [programs + 1, 8] int64 tensor that the kernel fills with where its time
     goes (a probe's: ``bench/search_gpu_phases.py``). Row p < programs, program p: 0 its
@@ -1213,6 +1222,7 @@ def scan_topk(
     else:
         seq, dest = publish
         publish_mode = 2 if mode == "ptx" else 1
+    replicas = cfg.bound_replicas
     if replicas < 1 or replicas & (replicas - 1) or state[0].shape[0] % replicas:
         raise ValueError(f"replicas must be a power of two dividing thr's rows, not {replicas}")
     if trace is not None and trace.shape != (programs + 1, 8):
