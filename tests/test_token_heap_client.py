@@ -3,6 +3,8 @@
 Each answer over shm is held against the copying path (the same sidecar over uds), for random
 sessions; views are held while other channels relocate, trim and delete what they show; a
 full heap falls back to copying; a client reconnects to a restarted sidecar's new heap.
+The shm clients here ask the sidecar every time (``local_reads=False``): windows computed
+by the client from the session index are tests/test_session_index_client.py's.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def same_answers(shm: kalos.Client, uds: kalos.Client, names: list[str], rng) ->
 
 def test_context_by_reference_matches_the_copying_path(sidecar: Start) -> None:
     sc = sidecar(extra_args=("--max-session-turns", "60"))
-    shm = sc.connect(timeout=TIMEOUT)
+    shm = sc.connect(timeout=TIMEOUT, local_reads=False)
     uds = sc.connect(transport="uds", timeout=TIMEOUT)
     assert shm._channel().heap is not None and uds._channel().heap is None
     rng = np.random.default_rng(3)
@@ -94,8 +96,10 @@ def test_context_by_reference_matches_the_copying_path(sidecar: Start) -> None:
 def test_a_view_keeps_its_values_until_its_next_call(sidecar: Start) -> None:
     sc = sidecar()
     names = ("grow", "trim", "gone")
-    readers = {name: sc.connect(timeout=TIMEOUT) for name in names}  # a channel each
-    writer = sc.connect(timeout=TIMEOUT)
+    readers = {
+        name: sc.connect(timeout=TIMEOUT, local_reads=False) for name in names
+    }  # a channel each
+    writer = sc.connect(timeout=TIMEOUT, local_reads=False)
     first = np.arange(300, dtype=np.int32)
     for name in names:
         writer.append_turn(name, "user", "x", first)
@@ -126,7 +130,7 @@ def test_a_view_keeps_its_values_until_its_next_call(sidecar: Start) -> None:
 
 def test_a_full_heap_falls_back_to_copying(sidecar: Start) -> None:
     sc = sidecar(extra_args=("--token-heap-mb", "0.0625"))  # 64 KiB: 16,384 ids
-    shm = sc.connect(timeout=TIMEOUT)
+    shm = sc.connect(timeout=TIMEOUT, local_reads=False)
     uds = sc.connect(transport="uds", timeout=TIMEOUT)
     rng = np.random.default_rng(5)
     names = [f"s{k}" for k in range(10)]
@@ -142,7 +146,7 @@ def test_a_full_heap_falls_back_to_copying(sidecar: Start) -> None:
 
 def test_without_a_heap_every_context_is_copied(sidecar: Start) -> None:
     sc = sidecar(extra_args=("--token-heap-mb", "0"))
-    shm = sc.connect(timeout=TIMEOUT)
+    shm = sc.connect(timeout=TIMEOUT, local_reads=False)
     assert shm._channel().heap is None and "token_heap_bytes" not in shm.stats()
     shm.append_turn("s", "user", "x", [1, 2, 3])
     ctx = shm.context("s", 10, turns=False)
@@ -152,7 +156,7 @@ def test_without_a_heap_every_context_is_copied(sidecar: Start) -> None:
 def test_a_client_maps_the_new_heap_of_a_restarted_sidecar(sidecar: Start, tmp_path) -> None:
     runtime_dir = str(tmp_path / "run")
     first = sidecar(name="heap", runtime_dir=runtime_dir)
-    client = first.connect(timeout=TIMEOUT)
+    client = first.connect(timeout=TIMEOUT, local_reads=False)
     client.append_turn("s", "user", "x", [1, 2, 3])
     old = client.context("s", 10, turns=False).tokens
     assert not old.flags.writeable
@@ -173,7 +177,9 @@ def test_a_client_of_protocol_1_1_gets_no_heap(
 ) -> None:
     sc = sidecar()
     monkeypatch.setattr(kalos.transport.handshake, "PROTOCOL_VERSION", (1, 1))
-    old = sc.connect(timeout=TIMEOUT)  # it still says token_heap: the sidecar goes by 1.1
+    old = sc.connect(
+        timeout=TIMEOUT, local_reads=False
+    )  # it still says token_heap: the sidecar goes by 1.1
     assert old.info["protocol"] == [1, 1] and "token_heap" not in old.info
     assert old._channel().heap is None
     old.append_turn("s", "user", "x", [4, 5])

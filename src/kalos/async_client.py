@@ -255,6 +255,7 @@ class AsyncClient:
         tls: Tls | None = None,
         max_channels: int = 32,
         connector: Callable[[], Transport] | None = None,
+        local_reads: bool = True,
     ) -> None:
         if not isinstance(max_channels, int) or max_channels < 1:
             raise ConfigError(f"max_channels must be an integer >= 1, not {max_channels!r}")
@@ -279,6 +280,7 @@ class AsyncClient:
             on_unavailable=on_unavailable,
             hung_after=hung_after,
             tls=tls,
+            local_reads=local_reads,
         )
         self._client: Client | None = None
         self._client_lock = threading.Lock()
@@ -482,6 +484,7 @@ async def connect_async(
     hung_after: float | None = None,
     tls: Tls | None = None,
     max_channels: int = 32,
+    local_reads: bool = True,
 ) -> AsyncClient:
     """Connects to the running sidecar ``name`` without blocking the event loop; the
     arguments are :func:`kalos.connect`'s, plus ``max_channels`` (see :class:`AsyncClient`).
@@ -498,6 +501,7 @@ async def connect_async(
         hung_after=hung_after,
         tls=tls,
         max_channels=max_channels,
+        local_reads=local_reads,
     )
     try:
         return await client.connect()

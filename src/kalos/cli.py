@@ -33,6 +33,7 @@ def _serve(args: argparse.Namespace) -> int:
         snapshot_bytes=max(1, int(args.snapshot_mb * (1 << 20))),
         tokenizer=args.tokenizer,
         token_heap_bytes=int(args.token_heap_mb * 1024) * 1024,
+        session_index_slots=args.session_index_slots,
         # No --admin-port: the default port if it is free; an explicit one must be.
         admin_port=None
         if args.no_admin
@@ -114,6 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=256.0,
         help="shared memory for sessions' token ids, mapped read-only by shm clients so that "
         "a context's ids are not copied (touched pages only); 0: copy them",
+    )
+    serve.add_argument(
+        "--session-index-slots",
+        type=int,
+        default=1 << 16,
+        help="sessions whose context windows shm clients compute themselves, from shared "
+        "memory, without a request (a power of two; 768 bytes each, touched pages only); "
+        "0: every context asks the sidecar",
     )
     serve.add_argument(
         "--max-channels",

@@ -129,6 +129,9 @@ class Context(NamedTuple):
     ``turns``: their (role, text), owned; None when the call asked for ``turns=False``.
     ``system``: whether the system prompt is included (it is then ``turns[0]``).
     ``degraded``: the sidecar was unavailable (``on_unavailable="degrade"``): no turns.
+    ``local``: computed in this process from the sidecar's session index, without a request
+    (``Client``'s ``local_reads``); ``tokens`` is then a view of this channel's own buffer
+    and ``timings`` has only the client's part.
     """
 
     tokens: np.ndarray
@@ -136,6 +139,7 @@ class Context(NamedTuple):
     timings: Timings
     system: bool
     degraded: bool = False
+    local: bool = False
 
 
 class RecallContext(NamedTuple):
@@ -227,6 +231,11 @@ class Client:
     Every other call still raises (a write must never look done; ping, stats, state, session
     listings and events have no harmless empty answer), and bad input always raises. The
     constructor connects and raises ConnectError either way.
+
+    ``local_reads``: over shm, :meth:`context` with ``turns=False`` computes the window in
+    this process from the sidecar's session index and token heap (shared memory, read-only)
+    instead of sending a request, whenever the index can answer for certain; the sidecar
+    answers otherwise (kalos.stores.session_index). False: every call asks the sidecar.
     """
 
     def __init__(
@@ -243,6 +252,7 @@ class Client:
         on_unavailable: str = "raise",
         hung_after: float | None = None,
         tls: Tls | None = None,
+        local_reads: bool = True,
     ) -> None:
         if on_unavailable not in ("raise", "degrade"):
             raise ConfigError(
@@ -252,6 +262,7 @@ class Client:
         self.timeout = timeout
         self.on_unavailable = on_unavailable
         self._degrade = on_unavailable == "degrade"
+        self.local_reads = local_reads
         self.reconnects = 0  # channels reopened after a lost sidecar or a timed-out call
         self._open: Callable[[float], Transport]
         if connector is None:
@@ -661,8 +672,9 @@ class Client:
         The pinned system prompt comes first when it fits (its tokens count against
         ``max_tokens``); ``max_turns`` caps the other turns. The window is a contiguous
         suffix: a turn that does not fit ends it. ``tokens`` is an int32 view into the channel
-        or, over shm, a read-only one into the sidecar's token heap (valid until this
-        thread's next call) unless ``copy=True``. ``turns=False``: only the
+        or, over shm, a read-only one into the sidecar's token heap, or (``turns=False``,
+        computed from the session index: see ``local_reads``) into this channel's own
+        buffer, valid until this thread's next call, unless ``copy=True``. ``turns=False``: only the
         token ids travel (half the bytes of ~4-byte-per-token text), ``Context.turns`` is
         None. ``scope``: a tenant/user filter; a session outside it is NotFound, as is an
         unknown or expired one.
@@ -677,21 +689,32 @@ class Client:
         elif not 0 <= max_turns < _NO_LIMIT:
             raise InvalidRequest(f"max_turns must be between 0 and {_NO_LIMIT - 1}, or None")
         sb = _EMPTY_SCOPE if scope is None else scope_bytes(scope)
+        name = session.encode()
         try:
             t = self._channel(timeout)
-            n = _encode_context(t.request_buffer, session.encode(), max_tokens, max_turns, sb)
+            if not turns and self.local_reads and (scope is None or _any_session(scope, session)):
+                got = t.context_local(name, max_tokens, max_turns, *_owner(scope))
+                if got is not None:  # no request: no sidecar stages, no stamps to split by
+                    tokens = got[0].copy() if copy else got[0]
+                    end = _monotonic_ns()
+                    local = self._local
+                    local.timings = _new_tuple(Timings, (0.0, 0.0, 0.0, (end - start) / 1e3))
+                    if self._recording and getattr(local, "stamps", None) is not None:
+                        local.stamps = (start, 0, end)
+                    return _new_tuple(Context, (tokens, None, local.timings, False, False, True))
+            n = _encode_context(t.request_buffer, name, max_tokens, max_turns, sb)
             resp = self._call(t, _CONTEXT, _TURNS if turns else 0, n, timeout, start)
         except _UNAVAILABLE:
             if not self._degrade:
                 raise
             timings = Timings(0.0, 0.0, 0.0, (_monotonic_ns() - start) / 1e3)
             window = Turns(b"", b"") if turns else None
-            return Context(np.empty(0, np.int32), window, timings, False, True)
+            return Context(np.empty(0, np.int32), window, timings, False, True, False)
         tokens, meta, text, system = _decode_context_response(resp.body, len(resp.body), t.heap)
         if copy:
             tokens = tokens.copy()
         window = None if meta is None or text is None else Turns(meta, text)
-        return _new_tuple(Context, (tokens, window, self._local.timings, system, False))
+        return _new_tuple(Context, (tokens, window, self._local.timings, system, False, False))
 
     def recall(
         self,
@@ -1058,6 +1081,22 @@ def session_scope_bytes(session: str, scope: Scope | None) -> M.ScopeBytes:
     )
 
 
+def _any_session(scope: Scope, session: str) -> bool:
+    """Whether ``scope`` lets the session ``session`` through on its session field."""
+    return not scope.session or scope.session == session
+
+
+def _owner(scope: Scope | None) -> tuple[bytes | None, bytes | None]:
+    """``scope``'s tenant and user as the session index compares them (None: any; an empty
+    field is none on the wire too)."""
+    if scope is None:
+        return None, None
+    return (
+        scope.tenant.encode() if scope.tenant else None,
+        scope.user.encode() if scope.user else None,
+    )
+
+
 _INT32 = np.iinfo(np.int32)
 _OK = int(codes.Status.OK)  # an IntEnum member costs ~0.08 µs per attribute lookup
 _TURNS = int(codes.ContextFlag.TURNS)
@@ -1167,10 +1206,12 @@ def connect(
     on_unavailable: str = "raise",
     hung_after: float | None = None,
     tls: Tls | None = None,
+    local_reads: bool = True,
 ) -> Client:
     """Connects to the running sidecar ``name``. Raises ConnectError when none runs.
-    ``on_unavailable`` and ``hung_after``: see :class:`Client`. Over grpc (another host),
-    ``name`` is the target: ``connect("10.0.0.5:7440", transport="grpc", tls=kalos.Tls(...))``."""
+    ``on_unavailable``, ``hung_after`` and ``local_reads``: see :class:`Client`. Over grpc
+    (another host), ``name`` is the target:
+    ``connect("10.0.0.5:7440", transport="grpc", tls=kalos.Tls(...))``."""
     return Client(
         name,
         transport=transport,
@@ -1182,4 +1223,5 @@ def connect(
         on_unavailable=on_unavailable,
         hung_after=hung_after,
         tls=tls,
+        local_reads=local_reads,
     )

@@ -46,13 +46,19 @@ def test_context_bench(tmp_path):
     )  # fmt: skip
     assert rc == 0 and result["mismatches"] == 0
     rows = {(r["system"], r["concurrency"]): r for r in result["rows"]}
-    systems = ("kalos-shm", "kalos-shm+turns", "redis-json", "dict-inprocess")
+    systems = ("kalos-shm", "kalos-shm-request", "kalos-shm+turns", "redis-json",
+               "dict-inprocess")  # fmt: skip
     assert set(rows) == {(s, c) for s in systems for c in (1, 3)}
     assert all(r["n"] == 60 and r["p50_us"] > 0 for r in rows.values())
-    stages = rows[("kalos-shm", 3)]["stages"]["mean_us"]
+    # every session's window from the session index (no request: no sidecar stages) ...
+    assert result["params"]["kalos_shm_local"] == 6
+    assert not rows[("kalos-shm", 3)].get("stages")
+    # ... and through the sidecar, stage by stage
+    stages = rows[("kalos-shm-request", 3)]["stages"]["mean_us"]
     assert list(stages) == ["client_write", "sidecar_wait", "compute", "response_write",
                             "client_read"]  # fmt: skip
-    assert sum(stages.values()) == pytest.approx(rows[("kalos-shm", 3)]["mean_us"], rel=0.01)
+    mean = rows[("kalos-shm-request", 3)]["mean_us"]
+    assert sum(stages.values()) == pytest.approx(mean, rel=0.01)
     assert os.sched_getaffinity(0) == before  # --affinity split (the default), undone after
     cpus = sorted(before)
     if len(cpus) > 1:

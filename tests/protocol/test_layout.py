@@ -287,7 +287,7 @@ def test_shared_words_are_8_byte_aligned() -> None:
 
 
 def test_protocol_version_and_limits() -> None:
-    assert codes.PROTOCOL_VERSION == (1, 3)
+    assert codes.PROTOCOL_VERSION == (1, 4)
     assert codes.MAX_K == 1024
     assert {f.name: int(f) for f in codes.ResponseFlag} == {"DEVICE_PUBLISHED": 1}
 

@@ -2,12 +2,15 @@
 
 1,000 sessions x 50 turns of ~100 tokens (BENCHMARKS.md). Side by side, in one run:
 
-* ``kalos-shm``: ``client.context(session, 4096, turns=False)`` end to end through a sidecar
-  process (shm): the window's token ids, as an int32 view, which is what the model takes (a
-  read-only view of the sidecar's token heap: no copy; ``--token-heap-mb 0``: copied into
-  the channel, as before the heap).
+* ``kalos-shm``: ``client.context(session, 4096, turns=False)`` end to end against a sidecar
+  process (shm): the window's token ids, as an int32 view, which is what the model takes.
+  By default the client computes the window itself from the sidecar's session index (shared
+  memory, read-only; ``Client``'s ``local_reads``): no request, the ids copied into the
+  channel's own buffer. ``params.kalos_shm_local`` counts the sessions it answered so.
+* ``kalos-shm-request``: the same call from a client with ``local_reads=False``: a request
+  through the sidecar, answered with a read-only view of its token heap (no copy).
 * ``kalos-shm+turns``: ``client.context(session, 4096)`` and every (role, text) of the window
-  decoded: the same output as the Redis module's.
+  decoded (a request: turns are not in the index): the same output as the Redis module's.
 * ``redis-json``: a Python memory module on a real ``redis-server`` (started here, on a
   private Unix socket): a list of JSON turns per session; LRANGE, ``json.loads``, the newest
   turns that fit, their token ids concatenated into one int32 array.
@@ -116,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
         servers = {"sidecar": sidecar.process.pid, "redis": int(r.info("server")["process_id"])}
         affinity = stack.enter_context(cpu_split(args.affinity, servers))
         client = sidecar.connect()
+        asking = sidecar.connect(local_reads=False)  # every context a request
         redis_mem, dict_mem = RedisMemory(r), DictMemory()
         t0 = time.perf_counter()
         for name, turns in sessions.items():
@@ -130,15 +134,19 @@ def run(args: argparse.Namespace) -> int:
         # Correctness first, every session: the same ids and turns from all three. The dict
         # module's answers are also what every timed call is checked against.
         mismatches = 0
+        local = 0  # sessions whose window the client computed itself
         window_tokens = []
         want: list[tuple[np.ndarray, list[tuple[str, str]]]] = []
         for name in names:
             ctx = client.context(name, budget, copy=True)
             want_tokens, want_turns = dict_mem.context(name, budget)
             got_redis = redis_mem.context(name, budget)
+            ids = client.context(name, budget, turns=False)
+            local += ids.local
             ok = (
                 np.array_equal(ctx.tokens, want_tokens)
-                and np.array_equal(client.context(name, budget, turns=False).tokens, want_tokens)
+                and np.array_equal(ids.tokens, want_tokens)
+                and np.array_equal(asking.context(name, budget, turns=False).tokens, want_tokens)
                 and np.array_equal(got_redis[0], want_tokens)
                 and list(ctx.turns) == want_turns == got_redis[1]
                 and ctx.tokens.dtype == got_redis[0].dtype == np.int32
@@ -149,6 +157,9 @@ def run(args: argparse.Namespace) -> int:
 
         def kalos_tokens(i: int) -> Any:
             return client.context(names[i], budget, turns=False).tokens
+
+        def kalos_request(i: int) -> Any:
+            return asking.context(names[i], budget, turns=False).tokens
 
         def kalos_turns(i: int) -> Any:
             ctx = client.context(names[i], budget)
@@ -162,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
 
         systems = [
             System("kalos-shm", kalos_tokens, same_tokens, client),
+            System("kalos-shm-request", kalos_request, same_tokens, asking),
             System("kalos-shm+turns", kalos_turns, same_window, client),
             System("redis-json", lambda i: redis_mem.context(names[i], budget), same_window),
             System("dict-inprocess", lambda i: dict_mem.context(names[i], budget), same_window),
@@ -176,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
         )
         load_after = load_average()
         client.close()
+        asking.close()
 
     rows, bad = level_rows(results, systems, "redis-json", ratio="redis")
     mismatches += bad
@@ -208,6 +221,7 @@ def run(args: argparse.Namespace) -> int:
         "redis": f"redis-server {redis_version}, Unix socket, redis-py, JSON list per session",
         "affinity": affinity,
         "token_heap_mb": args.token_heap_mb,  # None: the sidecar's default (256)
+        "kalos_shm_local": local,  # of the sessions, answered from the session index
     }
     path = write_result(
         SCENARIO,

@@ -12,8 +12,9 @@ from kalos import errors
 
 # (major, minor). A client and a sidecar talk when their majors are equal; the minor is
 # negotiated down to the smaller of the two. docs/PROTOCOL.md says what a minor may change.
-# 1.1: RECALL, ADD with token ids; 1.2: the token heap; 1.3: response flag DEVICE_PUBLISHED
-PROTOCOL_VERSION = (1, 3)
+# 1.1: RECALL, ADD with token ids; 1.2: the token heap; 1.3: response flag DEVICE_PUBLISHED;
+# 1.4: the session index (clients compute CONTEXT windows from shared memory)
+PROTOCOL_VERSION = (1, 4)
 
 MAX_K = 1024  # largest k a search may ask for
 

@@ -44,6 +44,10 @@ class SidecarConfig:
     # The token heap (kalos.stores.token_heap): sessions' token ids in shared memory that shm
     # clients map read-only, so that CONTEXT answers by reference. 0: no heap, ids are copied.
     token_heap_bytes: int = 256 << 20
+    # The session index (kalos.stores.session_index): where each heap-resident session's ids
+    # and newest turns lie, so that shm clients compute CONTEXT windows without a request.
+    # Slots, a power of two (768 bytes each, touched pages only); 0: every CONTEXT asks.
+    session_index_slots: int = 1 << 16
     # Rows to allocate up front (GPU index: adds up to this size never move storage, so
     # captured search graphs stay valid). 0: grow on demand.
     reserve: int = 0
@@ -76,6 +80,9 @@ class SidecarConfig:
         if not L.MIN_ARENA_BYTES <= self.max_arena_bytes <= L.MAX_ARENA_BYTES:
             raise ConfigError("max_arena_bytes out of range")
         FsyncPolicy.parse(self.fsync)  # ConfigError when malformed
+        slots = self.session_index_slots
+        if slots < 0 or slots == 1 or slots & (slots - 1):
+            raise ConfigError("session_index_slots must be 0 or a power of two >= 2")
         if self.token_heap_bytes < 0 or self.token_heap_bytes % 1024:
             raise ConfigError("token_heap_bytes must be 0 or a positive multiple of 1024")
         if self.snapshot_bytes < 1 or self.wal_segment_bytes < 4096:

@@ -39,6 +39,7 @@ from kalos.transport.uds import recv_exactly
 if TYPE_CHECKING:
     from kalos.server.admin import Metrics, RequestStats
     from kalos.server.durability import Durability
+    from kalos.stores.session_index import SessionIndex
     from kalos.stores.token_heap import TokenHeap
 
 log = logging.getLogger("kalos.server")
@@ -80,6 +81,7 @@ class Listener:
         self._info = info
         self.gpu: GpuSearch | None = None  # set by the sidecar on a cuda index
         self.heap: TokenHeap | None = None  # the token heap, set by the sidecar when it has one
+        self.session_index: SessionIndex | None = None  # likewise (it needs the heap)
         self._journal = journal
         self.ready = threading.Event()  # set once recovery is done
         self._ids = itertools.count(1)
@@ -197,11 +199,17 @@ class Listener:
             fds = [self._control_fd, ch.fd]
             heap = self.heap
             # The token heap goes to clients that ask (1.2): older ones expect two descriptors.
-            if heap is not None and hello.get("token_heap") is True and reply["protocol"][1] >= 2:
+            minor = reply["protocol"][1]
+            if heap is not None and hello.get("token_heap") is True and minor >= 2:
                 reply["token_heap"] = {"bytes": heap.nbytes}
                 fds.append(heap.reader_fd())
                 heap.attach(ch)  # before the poller can serve the channel
                 ch.reader = ch
+                index = self.session_index
+                # The session index (1.4), to clients that ask, after the heap's descriptor.
+                if index is not None and hello.get("session_index") is True and minor >= 4:
+                    reply["session_index"] = {"bytes": index.nbytes}
+                    fds.append(index.reader_fd())
             send_message(conn, reply, fds)
             os.close(ch.fd)
             ch.fd = -1

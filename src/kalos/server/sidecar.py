@@ -39,6 +39,7 @@ from kalos.server.dispatch import Dispatcher
 from kalos.server.durability import Durability
 from kalos.server.listener import Listener
 from kalos.stores.memories import MemoryStore
+from kalos.stores.session_index import SessionIndex
 from kalos.stores.sessions import SessionStore, load_tokenizer, tokenizer_fingerprint
 from kalos.stores.state import StateStore
 from kalos.stores.token_heap import TokenHeap
@@ -107,12 +108,19 @@ class Sidecar:
                 self.token_heap = TokenHeap(config.token_heap_bytes)
             except OSError as exc:  # e.g. a file size limit (RLIMIT_FSIZE) below its size
                 log.warning("no token heap (%s): CONTEXT copies the token ids", exc)
+        # Where clients find windows themselves (it points into the heap: none without one).
+        self.session_index: SessionIndex | None = None
+        if self.token_heap is not None and config.session_index_slots:
+            try:
+                self.session_index = SessionIndex(config.session_index_slots)
+            except OSError as exc:
+                log.warning("no session index (%s): every CONTEXT asks the sidecar", exc)
         self.dispatcher = Dispatcher(
             self.memories,
             name=config.name,
             device=config.device,
             extra_stats=self._stats,
-            sessions=SessionStore(config.limits, tokenizer, self.token_heap),
+            sessions=SessionStore(config.limits, tokenizer, self.token_heap, self.session_index),
             state=StateStore(config.limits),
         )
         self.durability: Durability | None = None
@@ -222,6 +230,7 @@ class Sidecar:
         )
         self.listener.gpu = self.gpu
         self.listener.heap = self.token_heap
+        self.listener.session_index = self.session_index
         self.listener.metrics = self.admin.metrics if self.admin is not None else None
         self.listener.start()
         if self.config.grpc:
@@ -312,6 +321,8 @@ class Sidecar:
             self.admin.close()
         if self.token_heap is not None:
             self.token_heap.close()  # its memory goes with the last client's mapping
+        if self.session_index is not None:
+            self.session_index.close()
         self._stopped.set()
         log.info("kalos sidecar %r stopped", self.config.name)
 

@@ -41,6 +41,7 @@ import numpy as np
 from kalos.errors import ConfigError, Conflict, InvalidRequest, NotFound
 from kalos.protocol.messages import Scope, SessionInfo
 from kalos.stores.limits import Limits, check_name, check_size
+from kalos.stores.session_index import SessionIndex
 from kalos.stores.token_heap import Hold, Reader, TokenHeap
 
 Tokenizer = Callable[[str], np.ndarray]
@@ -321,10 +322,14 @@ class SessionStore:
         limits: Limits | None = None,
         tokenizer: Tokenizer | None = None,
         heap: TokenHeap | None = None,
+        index: SessionIndex | None = None,
     ) -> None:
         self.limits = limits or Limits()
         self.tokenizer = tokenizer
         self.heap = heap  # where sessions' token ids live when it has room (None: private)
+        # what clients read to compute windows themselves (kalos.stores.session_index):
+        # published after every change of a session, removed before its region is freed
+        self.index = index
         self._sessions: dict[str, Session] = {}
         self._expiry: list[tuple[float, str]] = []  # heap of (expires_at, session)
         self._next_reap = -math.inf
@@ -524,6 +529,7 @@ class SessionStore:
             "session_tokens": sum(s.n_tokens for s in self._sessions.values()),
             "session_bytes": sum(s.nbytes for s in self._sessions.values()),
             **(self.heap.stats() if self.heap is not None else {}),
+            **(self.index.stats() if self.index is not None else {}),
         }
 
     def hold(self) -> Hold | None:
@@ -599,7 +605,7 @@ class SessionStore:
         if s is None:
             old = self._sessions.get(session)
             if old is not None:
-                old.release()
+                self._drop(old)
             s = Session(session, tenant, user, self.heap)
             self._sessions[session] = s
         s.rolling = is_rolling
@@ -619,6 +625,8 @@ class SessionStore:
             if drop:
                 s.drop_oldest(drop)
             s.append(len(role_b), len(text_b), ids, raw)
+        if self.index is not None:
+            self.index.put(s)
         return s.turns, len(ids)
 
     def _token_ids(self, text: str, tokens: np.ndarray | None) -> np.ndarray:
@@ -648,18 +656,20 @@ class SessionStore:
         if drop:
             s.first += drop
             s._repack(0, 0, 0)
+            if self.index is not None:
+                self.index.put(s)
         return drop, s.turns
 
     def delete(self, session: str, *, now: float, scope: Scope | None = None) -> None:
         """Deletes a session: its turns and system prompt. NotFound when there is none."""
         self._live(session, now, scope)
-        self._sessions.pop(session).release()
+        self._drop(self._sessions.pop(session))
 
     def forget(self, scope: Scope) -> int:
         """Deletes every session matching ``scope`` (expired ones too); returns how many."""
         names = [name for name, s in self._sessions.items() if s.matches(scope)]
         for name in names:
-            self._sessions.pop(name).release()
+            self._drop(self._sessions.pop(name))
         return len(names)
 
     def maybe_reap(self, now: float) -> int:
@@ -679,16 +689,23 @@ class SessionStore:
             if s is None or s.heap_at != at:
                 continue  # deleted, or re-made since this entry was pushed
             if s.expires_at <= now:
-                sessions.pop(name).release()
+                self._drop(sessions.pop(name))
                 reaped += 1
             else:  # refreshed by appends since: look again at its new expiry
                 heapq.heappush(heap, (s.expires_at, name))
                 s.heap_at = s.expires_at
         return reaped
 
+    def _drop(self, s: Session) -> None:
+        """Frees a session that is gone (deleted, expired, forgotten, replaced): its index
+        slot first, so that no client copies from its region once that is reused."""
+        if self.index is not None:
+            self.index.remove(s.name)
+        s.release()
+
     def clear(self) -> None:
         for s in self._sessions.values():
-            s.release()
+            self._drop(s)
         self._sessions.clear()
         self._expiry.clear()
         self._next_reap = -math.inf
@@ -786,6 +803,8 @@ class SessionStore:
                 heapq.heappush(self._expiry, (s.expires_at, name))
                 s.heap_at = s.expires_at
             self._sessions[name] = s
+            if self.index is not None:
+                self.index.put(s)
 
 
 def _open_npy(directory: str, name: str, dtype: type, shape: tuple[int, ...]) -> np.memmap:

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kalos.errors import ClosedError, SidecarGone
+
+if TYPE_CHECKING:
+    from kalos.stores.session_index import IndexReader
 
 
 class Response:
@@ -42,6 +45,16 @@ class Transport(abc.ABC):
     # The sidecar's token heap, mapped read-only (int32), when this channel maps it (shm):
     # CONTEXT responses may refer to token ids in it (kalos.stores.token_heap).
     heap: np.ndarray | None = None
+    # The sidecar's session index, when this channel maps it too (shm): see context_local.
+    sessions: IndexReader | None = None
+
+    def context_local(
+        self, session: bytes, max_tokens: int, max_turns: int, tenant: Any, user: Any
+    ) -> tuple[np.ndarray, int] | None:
+        """A CONTEXT window (token ids only) computed in this process from the sidecar's
+        session index, without a request: (its ids, its turns), or None when the sidecar
+        must answer (this channel maps no index, or the index cannot answer for certain)."""
+        return None
 
     @abc.abstractmethod
     def request(self, op: int, flags: int, body_len: int, *, timeout: float) -> Response:

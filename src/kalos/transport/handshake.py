@@ -83,7 +83,8 @@ def client_hello(
     except (ConnectionRefusedError, OSError) as exc:
         sock.close()
         raise ConnectError(f"cannot connect to the sidecar at {path}: {exc}") from exc
-    hello = hello_message(transport, arena_bytes, gpu_results, token_heap=transport == "shm")
+    shm = transport == "shm"
+    hello = hello_message(transport, arena_bytes, gpu_results, token_heap=shm, session_index=shm)
     try:
         # A sidecar refusing this peer (SO_PEERCRED) answers at once and closes, maybe before
         # the hello arrives (EPIPE); its answer is still there to read.
@@ -103,12 +104,18 @@ def client_hello(
 
 
 def hello_message(
-    transport: str, arena_bytes: int, gpu_results: bool = False, *, token_heap: bool = False
+    transport: str,
+    arena_bytes: int,
+    gpu_results: bool = False,
+    *,
+    token_heap: bool = False,
+    session_index: bool = False,
 ) -> dict[str, Any]:
     """The client's handshake message (over the Unix socket, or grpc's Hello method).
 
     ``token_heap``: the client maps the sidecar's token heap (shm channels: CONTEXT token
-    ids by reference, kalos.stores.token_heap)."""
+    ids by reference, kalos.stores.token_heap); ``session_index``: and its session index
+    (CONTEXT windows computed by the client, kalos.stores.session_index)."""
     hello = {
         "magic": "KALO",
         "protocol": list(PROTOCOL_VERSION),
@@ -118,6 +125,8 @@ def hello_message(
     }
     if token_heap:
         hello["token_heap"] = True
+    if session_index:
+        hello["session_index"] = True
     return hello
 
 

@@ -28,6 +28,7 @@ import numpy as np
 from kalos import _native
 from kalos.errors import ClosedError, ConnectError, RequestTimeout, SidecarGone
 from kalos.protocol import layout as L
+from kalos.stores.session_index import IndexReader
 from kalos.transport.base import Response, Transport
 from kalos.transport.memory import SharedMemory
 
@@ -43,8 +44,12 @@ HUNG_AFTER_S = 1.0
 # parked caller waits for the sidecar's stream sync and a futex wake (8-28 µs on the H200).
 SPIN_US = 50.0
 GPU_SPIN_US = 200.0
+# A window read from the session index is served only while the sidecar's heartbeat (every
+# heartbeat_ms / 2, 50 ms by default) is younger than this: after a crash, at most this long.
+LOCAL_READ_BEAT_NS = 250_000_000
 
 _monotonic_ns = time.monotonic_ns
+_time_ns = time.time_ns
 _publish = _native.publish
 _wait_seq = _native.wait_seq
 _load = _native.load_acquire
@@ -54,6 +59,7 @@ _pack_request = L.REQ_FIELDS.pack_into
 _unpack_response = L.RESP_FIELDS.unpack_from
 _REQ_OP = L.REQ_OP
 _RESP_STATUS = L.RESP_STATUS
+_READY = L.STATE_READY
 
 
 _heaps: dict[tuple[int, int], weakref.ref[np.ndarray]] = {}
@@ -80,6 +86,16 @@ def map_token_heap(fd: int, size: int, key: tuple[int, int]) -> np.ndarray:
         return heap
 
 
+def map_session_index(fd: int, size: int, heap: np.ndarray) -> IndexReader:
+    """The sidecar's session index, mapped read-only (kalos.stores.session_index)."""
+    if os.fstat(fd).st_size < size:
+        raise ConnectError("the sidecar's session index is smaller than it says")
+    try:
+        return IndexReader(mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ), heap)
+    except ValueError as exc:
+        raise ConnectError(str(exc)) from None
+
+
 def default_spin_us(info: dict[str, Any]) -> float:
     """The spin of a channel to the sidecar whose handshake reply is ``info``."""
     return GPU_SPIN_US if str(info.get("device", "cpu")).startswith("cuda") else SPIN_US
@@ -98,7 +114,8 @@ class ShmTransport(Transport):
         hung_after: float = HUNG_AFTER_S,
     ) -> None:
         heap_info = info.get("token_heap")
-        want = 3 if heap_info else 2
+        index_info = info.get("session_index") if heap_info else None
+        want = 2 + bool(heap_info) + bool(index_info)
         if len(fds) != want:
             for fd in fds:
                 os.close(fd)
@@ -109,6 +126,8 @@ class ShmTransport(Transport):
             if heap_info:
                 key = (int(info.get("server_pid", 0)), int(info.get("epoch", 0)))
                 self.heap = map_token_heap(fds[2], int(heap_info["bytes"]), key)
+            if index_info and self.heap is not None:
+                self.sessions = map_session_index(fds[3], int(index_info["bytes"]), self.heap)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -140,6 +159,25 @@ class ShmTransport(Transport):
         # The Response of every request, refilled: like its body, valid until the next request
         # (~0.1 µs less than building one per call).
         self._response = Response(0, self._resp_arena[:0], 0, 0, 0)
+        self._window = np.empty(0, np.int32)  # context_local's ids (grown on demand)
+
+    def context_local(
+        self, session: bytes, max_tokens: int, max_turns: int, tenant: Any, user: Any
+    ) -> tuple[np.ndarray, int] | None:
+        index = self.sessions
+        if index is None or self._closed or self._broken:
+            return None
+        beat = _load(self._heartbeat)
+        if _monotonic_ns() - beat > LOCAL_READ_BEAT_NS or _load(self._ctrl_state) != _READY:
+            return None  # perhaps gone, or stopping: the request path finds out
+        out = self._window
+        got = index.read(session, max_tokens, max_turns, tenant, user, _time_ns(), out)
+        if got is not None and got[1] < 0:  # more ids than the buffer holds: grow it, again
+            out = self._window = np.empty(1 << (got[0] - 1).bit_length(), np.int32)
+            got = index.read(session, max_tokens, max_turns, tenant, user, _time_ns(), out)
+        if got is None or got[1] < 0:
+            return None
+        return out[: got[0]], got[1]
 
     def request(self, op: int, flags: int, body_len: int, *, timeout: float) -> Response:
         if self._closed or self._broken:
@@ -223,3 +261,4 @@ class ShmTransport(Transport):
             self._chan.close()
             self._ctrl.close()
             self.heap = None  # views of it keep the mapping
+            self.sessions = None
