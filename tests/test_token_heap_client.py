@@ -96,9 +96,7 @@ def test_context_by_reference_matches_the_copying_path(sidecar: Start) -> None:
 def test_a_view_keeps_its_values_until_its_next_call(sidecar: Start) -> None:
     sc = sidecar()
     names = ("grow", "trim", "gone")
-    readers = {
-        name: sc.connect(timeout=TIMEOUT, local_reads=False) for name in names
-    }  # a channel each
+    readers = {name: sc.connect(timeout=TIMEOUT, local_reads=False) for name in names}
     writer = sc.connect(timeout=TIMEOUT, local_reads=False)
     first = np.arange(300, dtype=np.int32)
     for name in names:
@@ -177,9 +175,8 @@ def test_a_client_of_protocol_1_1_gets_no_heap(
 ) -> None:
     sc = sidecar()
     monkeypatch.setattr(kalos.transport.handshake, "PROTOCOL_VERSION", (1, 1))
-    old = sc.connect(
-        timeout=TIMEOUT, local_reads=False
-    )  # it still says token_heap: the sidecar goes by 1.1
+    # it still says token_heap: the sidecar goes by 1.1
+    old = sc.connect(timeout=TIMEOUT, local_reads=False)
     assert old.info["protocol"] == [1, 1] and "token_heap" not in old.info
     assert old._channel().heap is None
     old.append_turn("s", "user", "x", [4, 5])

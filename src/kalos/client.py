@@ -692,7 +692,7 @@ class Client:
         name = session.encode()
         try:
             t = self._channel(timeout)
-            if not turns and self.local_reads and (scope is None or _any_session(scope, session)):
+            if not turns and self.local_reads:
                 got = t.context_local(name, max_tokens, max_turns, *_owner(scope))
                 if got is not None:  # no request: no sidecar stages, no stamps to split by
                     tokens = got[0].copy() if copy else got[0]
@@ -1079,11 +1079,6 @@ def session_scope_bytes(session: str, scope: Scope | None) -> M.ScopeBytes:
     return M.ScopeBytes(
         (scope.tenant or "").encode(), (scope.user or "").encode(), session.encode()
     )
-
-
-def _any_session(scope: Scope, session: str) -> bool:
-    """Whether ``scope`` lets the session ``session`` through on its session field."""
-    return not scope.session or scope.session == session
 
 
 def _owner(scope: Scope | None) -> tuple[bytes | None, bytes | None]:
