@@ -253,9 +253,9 @@ class AsyncClient:
         on_unavailable: str = "raise",
         hung_after: float | None = None,
         tls: Tls | None = None,
+        local_reads: bool = True,
         max_channels: int = 32,
         connector: Callable[[], Transport] | None = None,
-        local_reads: bool = True,
     ) -> None:
         if not isinstance(max_channels, int) or max_channels < 1:
             raise ConfigError(f"max_channels must be an integer >= 1, not {max_channels!r}")
@@ -483,8 +483,8 @@ async def connect_async(
     on_unavailable: str = "raise",
     hung_after: float | None = None,
     tls: Tls | None = None,
-    max_channels: int = 32,
     local_reads: bool = True,
+    max_channels: int = 32,
 ) -> AsyncClient:
     """Connects to the running sidecar ``name`` without blocking the event loop; the
     arguments are :func:`kalos.connect`'s, plus ``max_channels`` (see :class:`AsyncClient`).

@@ -136,6 +136,9 @@ def test_metrics_count_the_requests_made(
     assert sample(m, "kalos_token_heap_bytes") == 256 << 20  # --token-heap-mb's default
     assert sample(m, "kalos_token_heap_used_bytes") == 0  # no session yet
     assert sample(m, "kalos_token_heap_fallbacks_total") == 0
+    assert sample(m, "kalos_session_index_slots") == 1 << 16  # --session-index-slots
+    assert sample(m, "kalos_session_index_sessions") == 0
+    assert sample(m, "kalos_session_index_rebuilds_total") == 0
     assert sample(m, "kalos_client_connects_total") == 2
     assert sample(m, "kalos_ready") == 1
     # Both clients are gone once the sidecar noticed their sockets close.

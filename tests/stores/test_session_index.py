@@ -175,6 +175,8 @@ def test_expiry_scope_and_removal() -> None:
     assert read(reader, "e", 100) is None
     store.append_turn("e", "user", "t", np.arange(7, dtype=np.int32), now=T0)  # a new one
     assert agree(store, reader, "e", 100)
+    store.append_turn("far", "user", "t", np.arange(3, dtype=np.int32), now=T0, ttl_s=1e300)
+    assert agree(store, reader, "far", 100)  # an expiry past int64 ns: none, in the index
     store.reap(T0 + 100)
     store.clear()
     assert read(reader, "e", 100) is None and read(reader, "u", 100) is None

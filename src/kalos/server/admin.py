@@ -314,6 +314,8 @@ class SidecarCollector:
             ("token_heap_bytes", "Size of the token heap (shared memory for session ids)"),
             ("token_heap_used_bytes", "Bytes of the token heap given to sessions"),
             ("token_heap_quarantined", "Freed token heap regions a channel may still read"),
+            ("session_index_sessions", "Sessions whose context windows clients compute"),
+            ("session_index_slots", "Slots of the session index"),
             ("state_keys", "Agent state keys"),
             ("state_bytes", "Bytes of agent state values"),
             ("events", "Events in all event logs"),
@@ -326,6 +328,12 @@ class SidecarCollector:
                 "kalos_token_heap_fallbacks",
                 "Session id buffers put in private memory: the token heap had no room",
                 value=stats["token_heap_fallbacks"],
+            )
+        if "session_index_rebuilds" in stats:
+            yield CounterMetricFamily(
+                "kalos_session_index_rebuilds",
+                "Session index tables rebuilt to drop deleted slots",
+                value=stats["session_index_rebuilds"],
             )
 
     def _durability_families(self) -> Iterator[Any]:

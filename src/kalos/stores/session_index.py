@@ -197,7 +197,8 @@ class SessionIndex:
         m = min(n - s.first + 1, RING)
         if m == n - s.first + 1:
             flags |= COMPLETE
-        expires = NO_EXPIRY if s.expires_at == float("inf") else int(s.expires_at * 1e9)
+        # (never raises: the session has changed already; a TTL beyond 2262 is none)
+        expires = NO_EXPIRY if s.expires_at * 1e9 >= NO_EXPIRY else int(s.expires_at * 1e9)
         buf = self._buf
         seq = self._begin(at)
         FIELDS.pack_into(
