@@ -72,6 +72,7 @@ def test_local_windows_match_the_sidecars(sidecar: Start) -> None:
             if got.local:
                 local += 1
                 assert not got.system and got.timings.compute_us == 0
+                assert not got.tokens.flags.writeable  # a view of the token heap
                 owned = reader.context(name, budget, max_turns, turns=False, scope=scope,
                                        copy=True)  # fmt: skip
                 assert owned.local and np.array_equal(owned.tokens, want.tokens)

@@ -130,8 +130,8 @@ class Context(NamedTuple):
     ``system``: whether the system prompt is included (it is then ``turns[0]``).
     ``degraded``: the sidecar was unavailable (``on_unavailable="degrade"``): no turns.
     ``local``: computed in this process from the sidecar's session index, without a request
-    (``Client``'s ``local_reads``); ``tokens`` is then a view of this channel's own buffer
-    and ``timings`` has only the client's part.
+    (``Client``'s ``local_reads``; ``tokens`` a read-only view of the token heap, as above);
+    ``timings`` has only the client's part then.
     """
 
     tokens: np.ndarray
@@ -672,9 +672,9 @@ class Client:
         The pinned system prompt comes first when it fits (its tokens count against
         ``max_tokens``); ``max_turns`` caps the other turns. The window is a contiguous
         suffix: a turn that does not fit ends it. ``tokens`` is an int32 view into the channel
-        or, over shm, a read-only one into the sidecar's token heap, or (``turns=False``,
-        computed from the session index: see ``local_reads``) into this channel's own
-        buffer, valid until this thread's next call, unless ``copy=True``. ``turns=False``: only the
+        or, over shm, a read-only one into the sidecar's token heap (also for a window this
+        client computed from the session index: see ``local_reads``), valid until this
+        thread's next call, unless ``copy=True``. ``turns=False``: only the
         token ids travel (half the bytes of ~4-byte-per-token text), ``Context.turns`` is
         None. ``scope``: a tenant/user filter; a session outside it is NotFound, as is an
         unknown or expired one.

@@ -64,6 +64,7 @@ GOLDEN_INTS = {
     "RESP_WRITE_NS": 296,
     "CHAN_CLIENT_PARKED": 384,
     "CHAN_CLIENT_BELL": 392,
+    "CHAN_CLIENT_VIEW": 512,
     "CHANNEL_HEADER_SIZE": 4096,
     "DEFAULT_ARENA_BYTES": 1048576,
     "MIN_ARENA_BYTES": 65536,
@@ -206,6 +207,7 @@ CLIENT_WRITES = (
     "REQ_PUBLISH_NS",
     "REQ_DEADLINE_NS",
     "CHAN_CLIENT_PARKED",
+    "CHAN_CLIENT_VIEW",
 )
 SIDECAR_WRITES = (
     "CHAN_MAGIC",
@@ -274,6 +276,7 @@ def test_shared_words_are_8_byte_aligned() -> None:
         "RESP_SEQ",
         "CHAN_CLIENT_PARKED",
         "CHAN_CLIENT_BELL",
+        "CHAN_CLIENT_VIEW",
         "CTRL_SERVER_PARKED",
         "CTRL_BELL",
         "CTRL_HEARTBEAT_NS",

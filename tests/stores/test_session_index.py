@@ -1,23 +1,28 @@
 """The session index: windows a client computes from shared memory are the store's, or none.
 
-The rule every test holds: whenever :meth:`IndexReader.read` answers, its ids and turn count
-equal what :meth:`SessionStore.context_tokens` answers at that moment; when the store would
-raise NotFound, the index does not answer. Not answering is always allowed (the client asks
-the sidecar then), but the tests also hold that the index answers the ordinary cases: a
-heap-resident session without a system prompt whose window lies within its newest turns.
-A thread that mutates sessions while another reads shows that a read never returns a torn
-window (each turn's ids name the turn, so a mixed window is visible).
+The rule every test holds: whenever :meth:`IndexReader.read` answers, the ids it points to
+and its turn count equal what :meth:`SessionStore.context_tokens` answers at that moment;
+when the store would raise NotFound, the index does not answer. Not answering is always
+allowed (the client asks the sidecar then), but the tests also hold that the index answers
+the ordinary cases: a heap-resident session without a system prompt whose window lies within
+its newest turns.
+A thread that mutates sessions while another reads shows that a window never changes under
+its reader until the reader's next read (each turn's ids name the turn, so a mixed or
+overwritten window is visible): the reader's view mark pins the region.
 """
 
 from __future__ import annotations
 
 import mmap
+import struct
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
 
+from kalos import _native
 from kalos.errors import ConfigError, NotFound
 from kalos.protocol.messages import Scope
 from kalos.stores.limits import Limits
@@ -29,29 +34,46 @@ T0 = 1_800_000_000.0
 NS = 1_000_000_000
 
 
+class Client:
+    """A client's side: the index and the heap mapped read-only, and its channel's view mark
+    (attached to the heap as a reader, as the sidecar's ServerChannel is)."""
+
+    def __init__(self, index: SessionIndex, heap: TokenHeap) -> None:
+        mem = mmap.mmap(index.reader_fd(), index.nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
+        self.ids = np.frombuffer(
+            mmap.mmap(heap.reader_fd(), heap.nbytes, mmap.MAP_SHARED, mmap.PROT_READ), np.int32
+        )
+        self.index = IndexReader(mem, self.ids)
+        self.marks = np.zeros(8, np.uint64)  # its own line
+        self.mark = self.marks.ctypes.data
+        self.requests, self.lent_region, self.lent_request, self.closed = 0, -1, 0, False
+        heap.attach(self)
+
+    def viewing(self) -> int:
+        return int(_native.load_acquire(self.mark)) - 1
+
+
 def make(slots: int = 64, heap_kb: int = 4096, **limits):
     heap = TokenHeap(heap_kb * 1024)
     index = SessionIndex(slots)
     store = SessionStore(Limits(**limits), heap=heap, index=index)
-    mem = mmap.mmap(index.reader_fd(), index.nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
-    ids = np.frombuffer(
-        mmap.mmap(heap.reader_fd(), heap.nbytes, mmap.MAP_SHARED, mmap.PROT_READ), np.int32
-    )
-    return store, index, IndexReader(mem, ids)
+    return store, index, Client(index, heap)
 
 
-def read(reader: IndexReader, name: str, budget: int, max_turns=None, scope=None, now=T0):
-    out = np.empty(1 << 16, np.int32)
-    got = reader.read(
+def read(client: Client, name: str, budget: int, max_turns=None, scope=None, now=T0, copy=True):
+    got = client.index.read(
         name.encode(),
         budget,
         (1 << 32) - 1 if max_turns is None else max_turns,
         scope.tenant.encode() if scope is not None and scope.tenant else None,
         scope.user.encode() if scope is not None and scope.user else None,
         int(now * NS),
-        out,
+        client.mark,
     )
-    return None if got is None else (out[: got[0]].copy(), got[1])
+    if got is None:
+        return None
+    view = client.ids[got[0] : got[0] + got[1]]
+    return (view.copy() if copy else view), got[2]
 
 
 def want(store: SessionStore, name: str, budget: int, max_turns=None, scope=None, now=T0):
@@ -75,7 +97,20 @@ def agree(store, reader, name, budget, max_turns=None, scope=None, now=T0) -> bo
 
 
 def test_windows_match_the_store_over_random_operations() -> None:
-    store, _, reader = make(slots=64, max_session_turns=300)
+    store, index, reader = make(slots=64, max_session_turns=300)
+    heap = store.heap
+    assert heap is not None
+    free = heap.free
+
+    def checked_free(region: int) -> None:
+        # the order the view marks rely on: a region is freed only while no stable slot
+        # points at it (its session's slot is being written, or gone)
+        for at in index._at.values():
+            seq, state, _, _, tok_at = struct.unpack_from("<QIIqq", index._buf, at)
+            assert seq & 1 or state != 1 or tok_at != region, "freed under a stable slot"
+        free(region)
+
+    heap.free = checked_free  # type: ignore[method-assign]
     rng = np.random.default_rng(5)
     names = [f"s{k}" for k in range(10)]
     owners = [Scope("t1", "u1"), Scope("t2", None), None]
@@ -217,11 +252,12 @@ def test_slots_must_be_a_power_of_two() -> None:
     assert index_bytes(4) == 64 + 4 * 768
 
 
-def test_a_read_never_returns_a_torn_window() -> None:
-    """A writer thread appends, trims, deletes and re-creates sessions (regions move and are
-    reused); a reader thread reads without any lock. Every token id of turn t of session s is
-    s * 100_000 + t and turn t has 1 + t % 7 ids, so any answer must be whole consecutive
-    turns ending with the session's newest one at some moment."""
+def test_a_window_holds_until_the_next_read() -> None:
+    """A writer thread appends, trims, deletes and re-creates sessions (regions move, are
+    freed and reused); a reader thread reads without any lock and holds each view while the
+    writer goes on (a sleep), then checks it. Every token id of turn t of session s is
+    s * 100_000 + t and turn t has 1 + t % 7 ids, so a view must still be whole consecutive
+    turns of that session: no torn read, and no region reused under a view."""
     store, _, reader = make(slots=32, heap_kb=64, max_session_turns=40)
     lock = threading.Lock()
     stop = threading.Event()
@@ -251,14 +287,18 @@ def test_a_read_never_returns_a_torn_window() -> None:
     answered = 0
     try:
         rng = np.random.default_rng(12)
-        for _ in range(30_000):
+        for i in range(20_000):
             s = int(rng.integers(6))
-            got = read(reader, f"s{s}", int(rng.integers(0, 120)))
+            got = read(reader, f"s{s}", int(rng.integers(0, 120)), copy=False)
             if got is None:
                 continue
-            ids, turns = got
+            view, turns = got
+            before = view.copy()
+            if i % 4 == 0:
+                time.sleep(0)  # the writer runs meanwhile
             answered += 1
-            assert _whole_turns(ids, s) == turns, ids
+            assert _whole_turns(before, s) == turns, before
+            assert np.array_equal(view, before), "the region changed under its view"
     finally:
         stop.set()
         th.join()

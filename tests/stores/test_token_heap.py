@@ -38,6 +38,9 @@ class FakeReader:
         self.lent_request = 0
         self.closed = False
 
+    def viewing(self) -> int:
+        return -1  # no window of its own (kalos.stores.session_index)
+
 
 # -- the allocator ------------------------------------------------------------------------------
 

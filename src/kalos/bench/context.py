@@ -5,8 +5,8 @@
 * ``kalos-shm``: ``client.context(session, 4096, turns=False)`` end to end against a sidecar
   process (shm): the window's token ids, as an int32 view, which is what the model takes.
   By default the client computes the window itself from the sidecar's session index (shared
-  memory, read-only; ``Client``'s ``local_reads``): no request, the ids copied into the
-  channel's own buffer. ``params.kalos_shm_local`` counts the sessions it answered so.
+  memory, read-only; ``Client``'s ``local_reads``): no request, a read-only view of the token
+  heap. ``params.kalos_shm_local`` counts the sessions it answered so.
 * ``kalos-shm-request``: the same call from a client with ``local_reads=False``: a request
   through the sidecar, answered with a read-only view of its token heap (no copy).
 * ``kalos-shm+turns``: ``client.context(session, 4096)`` and every (role, text) of the window

@@ -85,6 +85,10 @@ RESP_FIELDS = struct.Struct("<IIQQQQ")
 # sleeps on BELL; the sidecar bumps BELL and wakes it after publishing a response.
 CHAN_CLIENT_PARKED = 3 * LINE  # u64
 CHAN_CLIENT_BELL = 3 * LINE + 8  # u64  futex word (its low 32 bits)
+# Line 4 (1.4): written by the client. The token offset + 1 of the token-heap region its last
+# CONTEXT window computed from the session index points into (0: none); the sidecar reuses
+# no region a client may still view (kalos.stores.session_index).
+CHAN_CLIENT_VIEW = 4 * LINE  # u64
 
 CHANNEL_HEADER_SIZE = PAGE  # the arenas start page-aligned
 DEFAULT_ARENA_BYTES = 1 << 20  # 1 MiB each way

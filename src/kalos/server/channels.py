@@ -80,6 +80,12 @@ class ServerChannel:
         self.lent_region = -1
         self.lent_request = 0
         self.closed = False
+        self._view = a + L.CHAN_CLIENT_VIEW
+
+    def viewing(self) -> int:
+        """The token-heap region the client's last window from the session index points into
+        (its token offset), or -1: what the client wrote there (acquire)."""
+        return int(_native.load_acquire(self._view)) - 1
 
 
 class Poller:

@@ -4,13 +4,13 @@ A CONTEXT over shm costs one round trip through the sidecar, and on a small mach
 round trip needs two CPUs at once: the client's and the sidecar's. A client that maps the
 token heap (kalos.stores.token_heap) already holds every heap-resident session's token ids;
 this index adds, for each such session, where its ids lie and where its newest turns end.
-The client then computes the window itself, copies the ids into its own buffer and checks
-that nothing changed meanwhile (a seqlock per slot): one CPU, no request
-(``Client.context``, docs/PROTOCOL.md "The session index"). The sidecar stays the one
-writer and the authority: whenever the index cannot answer for certain (a session it does
-not hold, a slot being written, a window older than the slot's newest turns, a session with
-a system prompt or outside the heap, a sidecar whose heartbeat is stale) the client asks
-the sidecar, which answers as always, NotFound included.
+The client then computes the window itself, marks the region it will view in its channel,
+checks that nothing changed meanwhile (a seqlock per slot) and returns a read-only view of
+the heap: one CPU, no request, no copy (``Client.context``, docs/PROTOCOL.md section 5d).
+The sidecar stays the one writer and the authority: whenever the index cannot answer for
+certain (a session it does not hold, a slot being written, a window older than the slot's
+newest turns, a session with a system prompt or outside the heap, a sidecar whose heartbeat
+is stale) the client asks the sidecar, which answers as always, NotFound included.
 
 Layout: one memfd per sidecar (``kalos-session-index``), mapped read-write by the sidecar,
 handed to shm clients that ask at the handshake as a read-only descriptor. A 64-byte header
@@ -37,11 +37,15 @@ and its id, tenant and user fit ``KEY_BYTES``; any other session has no slot. Th
 is :meth:`SessionStore.context`'s: the newest turns whose ids fit the budget, at most
 ``max_turns``, a contiguous suffix.
 
-Why a copy is safe: the sidecar bumps a session's slot (odd, then even) around every change
-of that session, and removes the slot before its region is freed; a freed region is reused
-only by a later allocation. A client that read the slot, copied the ids and then reads the
-same even ``seq`` copied ids that no one changed meanwhile. Writes run under the dispatch
-lock, like the stores.
+Why the view is safe (valid until the client's next call on that channel): ids in a region
+are never rewritten while it is allocated (kalos.stores.token_heap). The sidecar marks a
+session's slot (odd ``seq``, then a full fence) before any change of that session that may
+free its region (:meth:`SessionIndex.begin`, :meth:`SessionIndex.remove`), and the heap frees
+a region only once no channel's view mark names it (:meth:`TokenHeap.free` reads the marks
+after that fence). The client stores its mark, fences, then reads ``seq`` again: either it
+sees the slot changed and does not use the window, or the sidecar sees its mark and keeps
+the region until the client's next window moves the mark (Dekker's pattern: both sides
+store, fence, load). Writes run under the dispatch lock, like the stores.
 """
 
 from __future__ import annotations
@@ -126,6 +130,13 @@ class SessionIndex:
 
     # -- writes ------------------------------------------------------------------------------
 
+    def begin(self, name: str) -> None:
+        """Marks the slot of session ``name`` (if it has one) as being written: before any
+        change of that session that may free its heap region; :meth:`put` ends it."""
+        at = self._at.get(name)
+        if at is not None and not int(_load(self._addr + at)) & 1:
+            self._begin(at)
+
     def put(self, s: Session) -> None:
         """Publishes session ``s`` as it is now (after any change of it), or removes its slot
         when the index cannot hold it (see the module docstring)."""
@@ -184,10 +195,15 @@ class SessionIndex:
         return None
 
     def _begin(self, at: int) -> int:
-        """Marks the slot at ``at`` as being written (odd seq); returns that odd seq."""
-        seq = int(_load(self._addr + at)) + 1
-        _store(self._addr + at, seq)
-        _fence()  # the odd seq is visible before any of the slot's new bytes
+        """Marks the slot at ``at`` as being written (odd seq, kept when it is already);
+        returns that odd seq."""
+        seq = int(_load(self._addr + at))
+        if not seq & 1:
+            seq += 1
+            _store(self._addr + at, seq)
+        # the odd seq is visible before any of the slot's new bytes, and before the heap
+        # reads the channels' view marks (TokenHeap.free)
+        _fence()
         return seq
 
     def _write(self, at: int, s: Session, key: tuple[bytes, bytes, bytes, int]) -> None:
@@ -256,7 +272,7 @@ def _key(s: Session) -> tuple[bytes, bytes, bytes, int] | None:
 class IndexReader:
     """A client's read-only view of a sidecar's session index and token heap."""
 
-    def __init__(self, mem: Any, heap: np.ndarray) -> None:
+    def __init__(self, mem: Any, heap: np.ndarray) -> None:  # heap: the token heap, int32
         buf = np.frombuffer(mem, np.uint8)
         magic, version, slots, ring, slot_bytes, key_bytes = HEADER.unpack_from(buf, 0)
         if (magic, version, ring, slot_bytes, key_bytes) != (
@@ -269,7 +285,7 @@ class IndexReader:
         self._buf = buf
         self._mv = memoryview(mem)
         self._addr = buf.ctypes.data
-        self._heap = heap
+        self._heap_len = len(heap)
 
     def read(
         self,
@@ -279,12 +295,14 @@ class IndexReader:
         tenant: bytes | None,
         user: bytes | None,
         now_ns: int,
-        out: np.ndarray,
-    ) -> tuple[int, int] | None:
-        """Copies the window of session ``name`` into ``out`` (int32): (its token ids, its
-        turns); (its token ids, -1) without a copy when ``out`` is too short for them; None
-        when the index cannot answer for certain (the sidecar must). ``tenant``/``user``: the
-        scope's (bytes), None for any. ``now_ns``: the wall clock (expiry)."""
+        mark: int,
+    ) -> tuple[int, int, int] | None:
+        """The window of session ``name``: (the token offset of its ids in the heap, their
+        count, its turns), or None when the index cannot answer for certain (the sidecar
+        must). ``tenant``/``user``: the scope's (bytes), None for any. ``now_ns``: the wall
+        clock (expiry). ``mark``: the address of the channel's view mark (u64), where the
+        region of the answer is stored before the slot is checked again; the ids stay as
+        they are until the mark moves (see the module docstring)."""
         h = _crc32(name)
         mask = self.slots - 1
         mv = self._mv
@@ -321,14 +339,11 @@ class IndexReader:
                 # before its first end, when that end is the budget's bound exactly)
                 return None
             lo = ends[first]
-            n = end - lo
-            if n < 0 or tok_at < 0 or tok_at + end > len(self._heap):
+            if lo > end or tok_at < 0 or tok_at + end > self._heap_len:
                 return None  # torn: the seq check would say so too
-            if n > len(out):
-                return n, -1
-            out[:n] = self._heap[tok_at + lo : tok_at + end]
-            _fence()  # every read above completes before seq is read again
+            _store(mark, tok_at + 1)
+            _fence()  # the mark is visible before seq is read again (and every read above done)
             if _load(addr + at) != seq:
-                return None  # changed meanwhile: the copy may be torn
-            return n, m - 1 - first
+                return None  # changed meanwhile: the region may be freed and reused
+            return tok_at + lo, end - lo, m - 1 - first
         return None

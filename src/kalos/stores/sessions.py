@@ -601,6 +601,8 @@ class SessionStore:
                 )
             drop = s.turns - lim.max_session_turns + 1
         # -- checked: from here on nothing fails --
+        if self.index is not None:
+            self.index.begin(session)  # before its region may move (see session_index)
         self.maybe_reap(now)
         if s is None:
             old = self._sessions.get(session)
@@ -654,6 +656,8 @@ class SessionStore:
         s = self._live(session, now, scope)
         drop = max(s.turns - keep_turns, 0)
         if drop:
+            if self.index is not None:
+                self.index.begin(session)
             s.first += drop
             s._repack(0, 0, 0)
             if self.index is not None:

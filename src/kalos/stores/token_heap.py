@@ -21,8 +21,11 @@ The rules that make views safe ("valid until this thread's next call"):
   its client drops its views when it makes its next call, which the sidecar sees as the
   channel's request count passing the lending request. A freed region that some reader's
   last response points into goes to the quarantine, pinned by those readers, and returns to
-  the allocator once each of them has sent a later request or closed. A region no reader
-  holds is reusable at once. So an idle channel pins at most one region, the one it last read.
+  the allocator once each of them has sent a later request or closed. Likewise a region a
+  channel's view mark names (:meth:`Reader.viewing`: the region of the last window its client
+  computed from the session index, kalos.stores.session_index) stays until the mark moves
+  or the channel closes. A region no reader holds is reusable at once. So an idle channel
+  pins at most two regions: the one it last read by reference and the one it last viewed.
 * while a forked snapshot writer reads the stores (kalos.server.durability), a :meth:`hold`
   pins every region freed meanwhile: the child's image of a shared mapping is not copied on
   write, so a reused region would change under it.
@@ -55,6 +58,10 @@ class Reader(Protocol):
     lent_region: int  # token offset of the region its last by-reference response lent; -1
     lent_request: int  # the number (1-based) of the request that lent it
     closed: bool
+
+    def viewing(self) -> int:
+        """The region its client's last window from the session index points into, or -1."""
+        ...
 
 
 class Hold:
@@ -210,6 +217,10 @@ class TokenHeap:
             for r in self._readers
             if r.lent_region == region and r.requests <= r.lent_request and not r.closed
         ]
+        # clients that may view it through a window of their own (kalos.stores.session_index;
+        # the session's index slot was marked before this, so either such a client's check of
+        # the slot failed or its mark is seen here)
+        pins += [(r, -1) for r in self._readers if not r.closed and r.viewing() == region]
         holds = [h for h in self._holds if h.active]
         if pins or holds:
             self._quarantine.append((region, pins, holds))
@@ -224,7 +235,8 @@ class TokenHeap:
         for entry in self._quarantine:
             _, pins, holds = entry
             if any(h.active for h in holds) or any(
-                r.requests <= req and not r.closed for r, req in pins
+                not r.closed and (r.requests <= req if req >= 0 else r.viewing() == entry[0])
+                for r, req in pins
             ):
                 keep.append(entry)
             else:

@@ -52,8 +52,9 @@ class Transport(abc.ABC):
         self, session: bytes, max_tokens: int, max_turns: int, tenant: Any, user: Any
     ) -> tuple[np.ndarray, int] | None:
         """A CONTEXT window (token ids only) computed in this process from the sidecar's
-        session index, without a request: (its ids, its turns), or None when the sidecar
-        must answer (this channel maps no index, or the index cannot answer for certain)."""
+        session index, without a request: (a read-only view of its ids in the token heap,
+        valid until this channel's next call; its turns), or None when the sidecar must
+        answer (this channel maps no index, or the index cannot answer for certain)."""
         return None
 
     @abc.abstractmethod

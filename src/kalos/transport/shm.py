@@ -159,25 +159,22 @@ class ShmTransport(Transport):
         # The Response of every request, refilled: like its body, valid until the next request
         # (~0.1 µs less than building one per call).
         self._response = Response(0, self._resp_arena[:0], 0, 0, 0)
-        self._window = np.empty(0, np.int32)  # context_local's ids (grown on demand)
+        self._view = a + L.CHAN_CLIENT_VIEW  # the view mark of context_local
 
     def context_local(
         self, session: bytes, max_tokens: int, max_turns: int, tenant: Any, user: Any
     ) -> tuple[np.ndarray, int] | None:
         index = self.sessions
-        if index is None or self._closed or self._broken:
+        if index is None or self.heap is None or self._closed or self._broken:
             return None
         beat = _load(self._heartbeat)
         if _monotonic_ns() - beat > LOCAL_READ_BEAT_NS or _load(self._ctrl_state) != _READY:
             return None  # perhaps gone, or stopping: the request path finds out
-        out = self._window
-        got = index.read(session, max_tokens, max_turns, tenant, user, _time_ns(), out)
-        if got is not None and got[1] < 0:  # more ids than the buffer holds: grow it, again
-            out = self._window = np.empty(1 << (got[0] - 1).bit_length(), np.int32)
-            got = index.read(session, max_tokens, max_turns, tenant, user, _time_ns(), out)
-        if got is None or got[1] < 0:
+        got = index.read(session, max_tokens, max_turns, tenant, user, _time_ns(), self._view)
+        if got is None:
             return None
-        return out[: got[0]], got[1]
+        at, n, turns = got
+        return self.heap[at : at + n], turns
 
     def request(self, op: int, flags: int, body_len: int, *, timeout: float) -> Response:
         if self._closed or self._broken:
