@@ -693,7 +693,9 @@ class Client:
         try:
             t = self._channel(timeout)
             if not turns and self.local_reads:
-                got = t.context_local(name, max_tokens, max_turns, *_owner(scope))
+                # an empty tenant or user is none, on the wire and here
+                got = t.context_local(name, max_tokens, max_turns, sb.tenant or None,
+                                      sb.user or None)  # fmt: skip
                 if got is not None:  # no request: no sidecar stages, no stamps to split by
                     tokens = got[0].copy() if copy else got[0]
                     end = _monotonic_ns()
@@ -1078,17 +1080,6 @@ def session_scope_bytes(session: str, scope: Scope | None) -> M.ScopeBytes:
         raise InvalidRequest(f"the scope names session {scope.session!r}, not {session!r}")
     return M.ScopeBytes(
         (scope.tenant or "").encode(), (scope.user or "").encode(), session.encode()
-    )
-
-
-def _owner(scope: Scope | None) -> tuple[bytes | None, bytes | None]:
-    """``scope``'s tenant and user as the session index compares them (None: any; an empty
-    field is none on the wire too)."""
-    if scope is None:
-        return None, None
-    return (
-        scope.tenant.encode() if scope.tenant else None,
-        scope.user.encode() if scope.user else None,
     )
 
 

@@ -50,7 +50,6 @@ store, fence, load). Writes run under the dispatch lock, like the stores.
 
 from __future__ import annotations
 
-import os
 import struct
 import zlib
 from bisect import bisect_left
@@ -60,7 +59,7 @@ import numpy as np
 
 from kalos import _native
 from kalos.errors import ConfigError
-from kalos.transport.memory import SharedMemory, create
+from kalos.transport.memory import ReadOnlyShared
 
 if TYPE_CHECKING:
     from kalos.stores.sessions import Session
@@ -74,8 +73,7 @@ KEY_BYTES = 192
 SLOT_HEAD = 64
 ENDS_AT = SLOT_HEAD + KEY_BYTES
 SLOT_BYTES = ENDS_AT + 4 * RING  # 768
-SLOT = struct.Struct("<QIIqqIIHHH")  # seq .. user length (46 bytes)
-FIELDS = struct.Struct("<IIqqIIHHH")  # the same less seq, from offset 8
+FIELDS = struct.Struct("<IIqqIIHHH")  # state .. user length, from offset 8
 EMPTY, LIVE, DELETED = 0, 1, 2
 COMPLETE, HAS_TENANT, HAS_USER = 1, 2, 4
 NO_EXPIRY = (1 << 63) - 1
@@ -102,8 +100,7 @@ class SessionIndex:
             raise ConfigError(f"the session index takes a power of two >= 2 slots, not {slots}")
         self.slots = slots
         self.nbytes = index_bytes(slots)
-        self.fd = create(name, self.nbytes)
-        self.mem = SharedMemory(self.fd, self.nbytes)
+        self.mem = ReadOnlyShared(name, self.nbytes)
         buf = self.mem.buf
         HEADER.pack_into(buf, 0, MAGIC, VERSION, slots, RING, SLOT_BYTES, KEY_BYTES)
         self._buf = buf
@@ -111,11 +108,10 @@ class SessionIndex:
         self._at: dict[str, int] = {}  # session id -> its slot
         self._used = 0  # live and deleted slots
         self.rebuilds = 0
-        self._ro_fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
 
     def reader_fd(self) -> int:
         """A read-only descriptor for clients (they cannot map it writable)."""
-        return self._ro_fd
+        return self.mem.reader_fd
 
     def __len__(self) -> int:
         return len(self._at)
@@ -134,7 +130,7 @@ class SessionIndex:
         """Marks the slot of session ``name`` (if it has one) as being written: before any
         change of that session that may free its heap region; :meth:`put` ends it."""
         at = self._at.get(name)
-        if at is not None and not int(_load(self._addr + at)) & 1:
+        if at is not None:
             self._begin(at)
 
     def put(self, s: Session) -> None:
@@ -161,29 +157,24 @@ class SessionIndex:
     def remove(self, name: str) -> None:
         """Removes the slot of session ``name``, if it has one (before its region is freed)."""
         at = self._at.pop(name, None)
-        if at is None:
-            return
-        seq = self._begin(at)
-        struct.pack_into("<I", self._buf, at + 8, DELETED)
-        _store(self._addr + at, seq + 1)
-
-    def clear(self) -> None:
-        """Removes every slot."""
-        for name in list(self._at):
-            self.remove(name)
+        if at is not None:
+            self._set_state(at, DELETED)
 
     def close(self) -> None:
         """Closes the sidecar's descriptors; the memory goes with the last mapping."""
-        for fd in (self.fd, self._ro_fd):
-            if fd >= 0:
-                os.close(fd)
-        self.fd = self._ro_fd = -1
+        self.mem.close_descriptors()
 
     def _slot(self, i: int) -> int:
         return HEADER_BYTES + i * SLOT_BYTES
 
     def _state(self, at: int) -> int:
         return int(struct.unpack_from("<I", self._buf, at + 8)[0])
+
+    def _set_state(self, at: int, state: int) -> None:
+        """Rewrites the state of the slot at ``at`` alone, under its seqlock."""
+        seq = self._begin(at)
+        struct.pack_into("<I", self._buf, at + 8, state)
+        _store(self._addr + at, seq + 1)
 
     def _free_slot(self, h: int) -> int | None:
         """The first empty or deleted slot on ``h``'s probe, or None within MAX_PROBE."""
@@ -230,27 +221,21 @@ class SessionIndex:
     def _rebuild(self) -> None:
         """Drops the deleted slots: every live session is written again into a fresh probe
         order. Clients reading meanwhile may miss a session (they ask the sidecar then)."""
-        live = list(self._at.items())
         self.rebuilds += 1
+        # every live slot past its seq word (its state LIVE, its fields), before any moves
+        live = [(name, bytes(self._buf[at + 8 : at + SLOT_BYTES])) for name, at in self._at.items()]
         for i in range(self.slots):
             at = self._slot(i)
             if self._state(at) != EMPTY:
-                seq = self._begin(at)
-                struct.pack_into("<I", self._buf, at + 8, EMPTY)
-                _store(self._addr + at, seq + 1)
+                self._set_state(at, EMPTY)
         self._at.clear()
         self._used = 0
-        moved: list[tuple[str, bytes]] = []
-        for name, at in live:
-            moved.append((name, bytes(self._buf[at : at + SLOT_BYTES])))
-        for name, image in moved:
-            h = struct.unpack_from("<I", image, 12)[0]
-            to = self._free_slot(h)
+        for name, image in live:
+            to = self._free_slot(struct.unpack_from("<I", image, 4)[0])  # its CRC
             if to is None:
                 continue
             seq = self._begin(to)
-            self._buf[to + 8 : to + SLOT_BYTES] = np.frombuffer(image[8:], np.uint8)
-            struct.pack_into("<I", self._buf, to + 8, LIVE)
+            self._buf[to + 8 : to + SLOT_BYTES] = np.frombuffer(image, np.uint8)
             _store(self._addr + to, seq + 1)
             self._at[name] = to
             self._used += 1

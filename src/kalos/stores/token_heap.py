@@ -37,14 +37,13 @@ lock, like the stores; :meth:`attach` and :meth:`detach` come from the listener'
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Protocol
 
 import numpy as np
 
 from kalos.errors import ConfigError
-from kalos.transport.memory import SharedMemory, create
+from kalos.transport.memory import ReadOnlyShared
 
 UNIT_TOKENS = 256
 """Token ids per allocation unit (1 KiB): the smallest region, a new session's first."""
@@ -148,8 +147,7 @@ class TokenHeap:
         if nbytes < UNIT_BYTES or nbytes % UNIT_BYTES:
             raise ConfigError(f"the token heap takes a multiple of {UNIT_BYTES} bytes")
         self.nbytes = nbytes
-        self.fd = create(name, nbytes)
-        self.mem = SharedMemory(self.fd, nbytes)
+        self.mem = ReadOnlyShared(name, nbytes)
         self.ids = self.mem.buf.view(np.int32)  # int32 [nbytes / 4], read-write
         self._alloc = BuddyAllocator(nbytes // UNIT_BYTES)
         # Freed regions some reader (or hold) may still see: (token offset, pins, holds).
@@ -158,9 +156,6 @@ class TokenHeap:
         self._readers: tuple[Reader, ...] = ()
         self._readers_lock = threading.Lock()
         self.fallbacks = 0  # regions asked for that the heap had no room for
-        # What clients get: the same file reopened read-only, so that they cannot map it
-        # writable (mmap PROT_WRITE of a MAP_SHARED mapping needs a writable descriptor).
-        self._ro_fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
 
     # -- readers (shm channels) -------------------------------------------------------------
 
@@ -192,7 +187,7 @@ class TokenHeap:
 
     def reader_fd(self) -> int:
         """A read-only descriptor of the heap for clients (they cannot map it writable)."""
-        return self._ro_fd
+        return self.mem.reader_fd
 
     # -- regions ------------------------------------------------------------------------------
 
@@ -255,7 +250,4 @@ class TokenHeap:
 
     def close(self) -> None:
         """Closes the sidecar's descriptors; the memory goes with the last mapping."""
-        for fd in (self.fd, self._ro_fd):
-            if fd >= 0:
-                os.close(fd)
-        self.fd = self._ro_fd = -1
+        self.mem.close_descriptors()

@@ -42,3 +42,23 @@ class SharedMemory:
         """
         self.buf = np.empty(0, np.uint8)
         self.addr = 0
+
+
+class ReadOnlyShared(SharedMemory):
+    """A new memfd of ``size`` zero bytes (named ``name``, for /proc only), mapped read-write
+    here and handed to clients as :attr:`reader_fd`: the same file reopened read-only, so that
+    they cannot map it writable (mmap PROT_WRITE of a MAP_SHARED mapping needs a writable
+    descriptor). The sidecar's token heap and session index."""
+
+    def __init__(self, name: str, size: int) -> None:
+        self.fd = create(name, size)
+        super().__init__(self.fd, size)
+        self.reader_fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+    def close_descriptors(self) -> None:
+        """Closes both descriptors; the memory stays mapped here and goes with the last
+        mapping (clients keep theirs)."""
+        for fd in (self.fd, self.reader_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.fd = self.reader_fd = -1
