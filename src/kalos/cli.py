@@ -34,6 +34,7 @@ def _serve(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer,
         token_heap_bytes=int(args.token_heap_mb * 1024) * 1024,
         session_index_slots=args.session_index_slots,
+        gpu_doorbell=args.gpu_doorbell,
         # No --admin-port: the default port if it is free; an explicit one must be.
         admin_port=None
         if args.no_admin
@@ -108,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--reserve", type=int, default=0, help="rows to allocate up front (GPU: keeps graphs)"
+    )
+    serve.add_argument(
+        "--gpu-doorbell",
+        action="store_true",
+        help="cuda: the GPU picks a channel's next search of the same shape up itself, with no "
+        "sidecar CPU between the client and the kernel (not yet measured on a GPU; default: "
+        "every search goes through the sidecar's poller)",
     )
     serve.add_argument(
         "--token-heap-mb",

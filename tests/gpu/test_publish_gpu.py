@@ -4,6 +4,8 @@ kernel stores the response's sequence word itself. Every answer against an exact
 for spinning and parked clients, across writes, beside GPU-result searches (which the
 sidecar publishes) on the same channel.
 
+The doorbell tests (server.doorbell) run on a second sidecar started with ``--gpu-doorbell``.
+
 Run on a CUDA machine: ``pytest -m gpu tests/gpu``. Skipped without CUDA.
 """
 
@@ -17,6 +19,7 @@ from cuda_device import torch
 import numpy as np
 import pytest
 
+import kalos
 from kalos.index.kernels.scan_topk import PREFILTER_MIN_ROWS
 from kalos.testing import isolated_sidecar
 
@@ -27,13 +30,12 @@ N = PREFILTER_MIN_ROWS + 50_000  # above it after the removes below
 K = 10
 
 
-@pytest.fixture(scope="module")
-def big_sidecar():
+def _loaded(name: str, *extra: str):
     rng = np.random.default_rng(17)
     base = rng.standard_normal((N, DIM)).astype(np.float32)
     ids = np.arange(N, dtype=np.int64) * 3 + 1
-    args = ("--device", "cuda", "--reserve", str(N))
-    with isolated_sidecar(dim=DIM, name="gpu-publish", extra_args=args) as sc:
+    args = ("--device", "cuda", "--reserve", str(N), *extra)
+    with isolated_sidecar(dim=DIM, name=name, extra_args=args) as sc:
         loader = sc.connect(arena_bytes=64 << 20, timeout=120)
         step = 200_000
         for lo in range(0, N, step):
@@ -43,13 +45,26 @@ def big_sidecar():
         yield sc, db, ids
 
 
-def check(db, ids, q: np.ndarray, got_ids: np.ndarray, got_scores: np.ndarray, gone=()) -> None:
+@pytest.fixture(scope="module")
+def big_sidecar():
+    yield from _loaded("gpu-publish")
+
+
+@pytest.fixture(scope="module")
+def doorbell_sidecar():
+    """The same rows served with ``--gpu-doorbell`` (server.doorbell)."""
+    yield from _loaded("gpu-doorbell", "--gpu-doorbell")
+
+
+def check(
+    db, ids, q: np.ndarray, got_ids: np.ndarray, got_scores: np.ndarray, gone=(), k: int = K
+) -> None:
     """The exact top-K over the fp16 rows (float32 scores), up to exact ties; ``gone``: ids
     removed since the rows were loaded."""
     s = db.float() @ torch.from_numpy(q).cuda()
     if len(gone):
         s[torch.from_numpy((np.asarray(gone) - 1) // 3).cuda()] = float("-inf")
-    want = torch.topk(s, K).values.cpu().numpy()
+    want = torch.topk(s, k).values.cpu().numpy()
     assert not set(got_ids.tolist()) & set(gone)
     rows = torch.from_numpy((got_ids - 1) // 3).cuda()
     have = s[rows].cpu().numpy()
@@ -94,3 +109,93 @@ def test_writes_and_gpu_results_between_published_searches(big_sidecar):
         assert client.stats()["gpu_published"] - before >= 2 * len(qs) - 2
         rows = torch.tensor([(i - 1) // 3 for i in gone]).cuda()
         client.add(db[rows].float().cpu().numpy(), np.array(gone, dtype=np.int64))
+
+
+def doorbell(client) -> dict[str, int]:
+    stats = client.stats()
+    return {k: stats[k] for k in stats if k.startswith("gpu_doorbell_")}
+
+
+@pytest.mark.parametrize("spin_us", [1000.0, 0.0])
+def test_the_gpu_picks_up_the_next_search_itself(doorbell_sidecar, spin_us):
+    """server.doorbell: after a published search the graph is armed; the next search of the
+    same shape is taken by the GPU with no sidecar CPU in between (a parked client is woken
+    by the poller afterwards)."""
+    sc, db, ids = doorbell_sidecar
+    qs = np.random.default_rng(int(spin_us) + 7).standard_normal((300, DIM)).astype(np.float32)
+    with sc.connect(spin_us=spin_us, timeout=120) as client:
+        client.search(qs[0], K, payloads=False)
+        before = doorbell(client)
+        for q in qs:
+            r = client.search(q, K, payloads=False)
+            check(db, ids, q, r.ids, r.scores)
+        after = doorbell(client)
+    answered = after["gpu_doorbell_answered"] - before["gpu_doorbell_answered"]
+    assert answered >= 280, (before, after)
+
+
+def test_requests_unlike_the_armed_one_and_writes_between(doorbell_sidecar):
+    """Another k, an fp16 query, a NaN, another channel's search and a remove between armed
+    searches: each is served by the sidecar (or the GPU, for a repeat), every answer exact."""
+    sc, db, ids = doorbell_sidecar
+    rng = np.random.default_rng(11)
+    qs = rng.standard_normal((40, DIM)).astype(np.float32)
+    gone: list[int] = []
+    with sc.connect(spin_us=1000, timeout=120) as a, sc.connect(spin_us=1000, timeout=120) as b:
+        before = doorbell(a)
+        for i, q in enumerate(qs):
+            r = a.search(q, K, payloads=False, copy=True)
+            check(db, ids, q, r.ids, r.scores, gone)
+            step = i % 5
+            if step == 0:  # another k
+                r5 = a.search(q, 5, payloads=False, copy=True)
+                check(db, ids, q, r5.ids, r5.scores, gone, k=5)
+            elif step == 1:  # an fp16 query: another template
+                h = q.astype(np.float16)
+                r16 = a.search(h, K, payloads=False, copy=True)
+                check(db, ids, h.astype(np.float32), r16.ids, r16.scores, gone)
+            elif step == 2:  # a NaN: refused, the sidecar keeps serving
+                bad = q.copy()
+                bad[0] = np.nan
+                with pytest.raises(kalos.InvalidRequest):
+                    a.search(bad, K, payloads=False)
+            elif step == 3:  # another channel's search cancels the armed one
+                rb = b.search(q, K, payloads=False, copy=True)
+                check(db, ids, q, rb.ids, rb.scores, gone)
+            else:  # a write settles it; the next search sees the write
+                assert a.remove(r.ids[:1]) == 1
+                gone.append(int(r.ids[0]))
+            r = a.search(q, K, payloads=False)
+            check(db, ids, q, r.ids, r.scores, gone)
+        after = doorbell(a)
+        rows = torch.tensor([(i - 1) // 3 for i in gone]).cuda()
+        a.add(db[rows].float().cpu().numpy(), np.array(gone, dtype=np.int64))
+    assert after["gpu_doorbell_answered"] > before["gpu_doorbell_answered"]
+    assert after["gpu_doorbell_declined"] > before["gpu_doorbell_declined"]
+
+
+def test_clients_racing_on_two_channels(doorbell_sidecar):
+    """Two threads search at once, each on its own channel: every request is either the GPU's
+    (its channel armed) or the sidecar's after it cancelled the other's armed graph (what the
+    GPU took meanwhile is answered from the claim). Every answer exact."""
+    import threading
+
+    sc, db, ids = doorbell_sidecar
+    errors: list[BaseException] = []
+
+    def run(seed: int) -> None:
+        try:
+            qs = np.random.default_rng(seed).standard_normal((150, DIM)).astype(np.float32)
+            with sc.connect(spin_us=1000, timeout=120) as client:
+                for q in qs:
+                    r = client.search(q, K, payloads=False, copy=True)
+                    check(db, ids, q, r.ids, r.scores)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in (21, 22)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors[0]

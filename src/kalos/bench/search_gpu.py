@@ -3,6 +3,9 @@
 For each size (100K, 1M, 10M x 128 and 1M x 768, fp16, batch 1) in one run:
 
 - ``kalos-shm``: a client's ``search`` through a ``--device cuda`` sidecar, host results;
+- ``kalos-shm-doorbell``: the same through a second sidecar started with ``--gpu-doorbell``
+  (the GPU picks each search up itself: ``server.doorbell``), where the doorbell applies
+  (the int8 prefilter's sizes) and the index has at most ``--compare-rows`` rows;
 - ``kalos-shm-gpu``: ``search_gpu`` with a numpy query, results handed over on the GPU;
 - ``kalos-shm-gpu-query``: ``search_gpu`` with a torch CUDA query that never leaves the GPU;
 - ``kalos-kernel``: the fused scan + top-k alone, a graph replay timed with CUDA events;
@@ -50,7 +53,44 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spin-us", type=float, default=1000.0,
                    help="the timed client's spin_us (kalos.connect's default against a GPU "
                         "sidecar: 200)")  # fmt: skip
+    p.add_argument("--compare-rows", type=int, default=2_000_000,
+                   help="largest index also timed through a --gpu-doorbell sidecar")  # fmt: skip
     add_affinity_argument(p, cpus="last two CPUs")
+
+
+def _load(sidecar: Any, db: Any, ids: np.ndarray, n: int, dim: int) -> None:
+    loader = sidecar.connect(arena_bytes=64 << 20, timeout=120)
+    host_db = db.cpu().numpy()
+    step = (60 << 20) // (dim * 2 + 8 + 9)
+    for lo in range(0, n, step):
+        loader.add(host_db[lo : lo + step], ids[lo : lo + step])
+    loader.close()
+
+
+def _timed_host(
+    args: argparse.Namespace, client: Any, fn: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``fn(i)`` timed over ``args.queries`` calls: (its row's samples and wall, its stage
+    medians with the counts of responses the GPU published and picked up itself)."""
+    timings: list[Any] = []
+
+    def timed(i: int) -> None:
+        fn(i)
+        timings.append(client.last_timings)
+
+    before = client.stats()
+    samples, wall = _host_times(timed, args.queries)
+    after = client.stats()
+    stages = _stage_medians(timings)
+    # calls the kernel answered itself: their compute stage ends at the launch, and the
+    # kernel's time falls in the client's share (docs/PROTOCOL.md); those the GPU also picked
+    # up (the doorbell) have no sidecar stage at all
+    for key, name in (
+        ("gpu_published", "gpu_published"),
+        ("gpu_doorbell_answered", "gpu_doorbell"),
+    ):
+        stages[name] = after.get(key, 0) - before.get(key, 0)
+    return {"samples": samples, "wall": wall}, stages
 
 
 def _copy_bandwidth(torch: Any) -> float:
@@ -180,13 +220,7 @@ def _run_size(args: argparse.Namespace, torch: Any, n: int, dim: int, bw: float)
         dim=dim, name="bench-gpu", runtime_dir=rd,
         extra_args=("--device", "cuda", "--reserve", str(n)),
     ) as sidecar:  # fmt: skip
-        loader = sidecar.connect(arena_bytes=64 << 20, timeout=120)
-        host_db = db.cpu().numpy()
-        step = (60 << 20) // (dim * 2 + 8 + 9)
-        for lo in range(0, n, step):
-            loader.add(host_db[lo : lo + step], ids[lo : lo + step])
-        del host_db
-        loader.close()
+        _load(sidecar, db, ids, n, dim)
         # the sidecar on two CPUs of its own (its poller spins in the stream sync; its other
         # threads wake beside it), this process's threads on the others
         with cpu_split(args.affinity, {"sidecar": sidecar.process.pid}, 2) as affinity:
@@ -217,27 +251,41 @@ def _run_size(args: argparse.Namespace, torch: Any, n: int, dim: int, bw: float)
 
             for name, fn in (("kalos-shm", host), ("kalos-shm-gpu", gpu),
                              ("kalos-shm-gpu-query", gpu_query)):  # fmt: skip
-                timings: list[Any] = []
-
-                def timed(i: int, fn: Any = fn, timings: list = timings) -> None:
-                    fn(i)
-                    timings.append(client.last_timings)
-
-                published = client.stats().get("gpu_published", 0)
-                samples, wall = _host_times(timed, args.queries)
-                published = client.stats().get("gpu_published", 0) - published
-                rows.append(summarize(name, samples, wall))
-                stages[name] = _stage_medians(timings)
-                # calls the kernel answered itself: their compute stage ends at the launch,
-                # and the kernel's time falls in the client's share (docs/PROTOCOL.md)
-                stages[name]["gpu_published"] = published
+                timed, stages[name] = _timed_host(args, client, fn)
+                rows.append(summarize(name, timed["samples"], timed["wall"]))
             client.close()
+    # The same host searches with the GPU picking each up itself, side by side.
+    doorbell_applies = n >= index.prefilter_min_rows and index.prefilter_ok(1, k)
+    if doorbell_applies and n <= args.compare_rows:
+        with tempfile.TemporaryDirectory(prefix="kalos-bench-") as rd, isolated_sidecar(
+            dim=dim, name="bench-gpu-doorbell", runtime_dir=rd,
+            extra_args=("--device", "cuda", "--reserve", str(n), "--gpu-doorbell"),
+        ) as sidecar:  # fmt: skip
+            _load(sidecar, db, ids, n, dim)
+            with cpu_split(args.affinity, {"sidecar": sidecar.process.pid}, 2):
+                client = sidecar.connect(spin_us=args.spin_us, timeout=120)
+                for i in range(200):
+                    got = client.search(queries[i], k, payloads=False).ids
+                    same = set(got.tolist()) == set(exact_ids[i].tolist())
+                    tol = 2.0**-10 * float(np.linalg.norm(queries[i])) * max_norm
+                    wrong += int(
+                        not same and not _tie_ok(db, ids, queries[i], got, exact_kth[i], tol)
+                    )
+
+                def plain(i: int) -> None:
+                    client.search(queries[i], k, payloads=False)
+
+                name = "kalos-shm-doorbell"
+                timed, stages[name] = _timed_host(args, client, plain)
+                rows.append(summarize(name, timed["samples"], timed["wall"]))
+                client.close()
     rows.append({"system": "bandwidth-floor", "p50_us": round(floor_us, 3),
                  "bytes": n * dim * 2, "copy_bandwidth_TBps": round(bw / 1e12, 3)})  # fmt: skip
     by = {r["system"]: r for r in rows}
     summary = {
         "e2e_p99_us": by["kalos-shm"]["p99_us"],
         "e2e_gpu_p99_us": by["kalos-shm-gpu"]["p99_us"],
+        "e2e_doorbell_p99_us": by.get("kalos-shm-doorbell", {}).get("p99_us"),
         "kernel_p50_us": by["kalos-kernel"]["p50_us"],
         "kernel_over_floor": round(by["kalos-kernel"]["p50_us"] / floor_us, 3),
         "prefilter_kernel_p50_us": by.get("kalos-kernel-prefilter", {}).get("p50_us"),

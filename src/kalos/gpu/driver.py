@@ -26,6 +26,8 @@ IPC_HANDLE_BYTES = 64
 _LAZY_ENABLE_PEER_ACCESS = 1
 _HOST_REGISTER_PORTABLE = 1
 _HOST_REGISTER_DEVICEMAP = 2
+_EVENT_DISABLE_TIMING = 2
+_NOT_READY = 600  # CUDA_ERROR_NOT_READY
 
 _lib: ctypes.CDLL | None = None
 _lock = threading.Lock()
@@ -58,6 +60,11 @@ def _driver() -> ctypes.CDLL:
             lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
             lib.cuGraphLaunch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
             lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
+            lib.cuEventCreate.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+            lib.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+            lib.cuEventQuery.argtypes = [ctypes.c_void_p]
+            lib.cuEventSynchronize.argtypes = [ctypes.c_void_p]
+            lib.cuEventDestroy_v2.argtypes = [ctypes.c_void_p]
             lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
             _lib = lib
         return _lib
@@ -123,6 +130,51 @@ def graph_launcher(graph_exec: int, stream: int) -> Any:
             _check(rc, "cuGraphLaunch + cuStreamSynchronize")
 
     return run
+
+
+class GraphLaunch:
+    """Launches one instantiated CUDA graph on a stream without waiting, and records an event
+    after each launch, so that the caller can ask whether the last launch, or the one before
+    it, has finished (:meth:`done`), or wait for the last (:meth:`wait`), while later work
+    queued on the stream goes on. ctypes drops the GIL during each call."""
+
+    def __init__(self, graph_exec: int, stream: int) -> None:
+        lib = _driver()
+        self._launch, self._record = lib.cuGraphLaunch, lib.cuEventRecord
+        self._query, self._sync = lib.cuEventQuery, lib.cuEventSynchronize
+        self._graph, self._stream = ctypes.c_void_p(graph_exec), ctypes.c_void_p(stream)
+        self._events: list[ctypes.c_void_p] = []
+        for _ in range(2):  # the last launch's and the one before it, alternately
+            event = ctypes.c_void_p()
+            _check(lib.cuEventCreate(ctypes.byref(event), _EVENT_DISABLE_TIMING), "cuEventCreate")
+            self._events.append(event)
+        self._last = 0
+
+    def __call__(self) -> None:
+        self._last ^= 1
+        rc = self._launch(self._graph, self._stream)
+        if rc == 0:
+            rc = self._record(self._events[self._last], self._stream)
+        if rc != 0:
+            _check(rc, "cuGraphLaunch + cuEventRecord")
+
+    def done(self, previous: bool = False) -> bool:
+        """Whether the last launch (``previous``: the one before it) has finished; True for
+        one that never happened."""
+        rc = self._query(self._events[self._last ^ previous])
+        if rc == _NOT_READY:
+            return False
+        _check(rc, "cuEventQuery")
+        return True
+
+    def wait(self) -> None:
+        """Returns once the last launch has finished."""
+        _check(self._sync(self._events[self._last]), "cuEventSynchronize")
+
+    def close(self) -> None:
+        for event in self._events:
+            _driver().cuEventDestroy_v2(event)
+        self._events = []
 
 
 def ipc_handle(ptr: int) -> bytes:

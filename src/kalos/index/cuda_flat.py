@@ -542,10 +542,12 @@ class CudaFlatIndex:
         ws: dict[str, Any],
         status: Any = None,
         publish: Any = None,
+        gate: Any = None,
     ) -> None:
         # q: [nq, dim] (nq <= max batch); scores: [nq, k] fp32; ids: [nq, k] int64;
         # status: [1] int32, set by the prefilter's scan (a prefilter workspace); publish:
-        # (seq, dest), the prefilter's scan stores seq at dest once proven (kernels.scan_topk)
+        # (seq, dest), the prefilter's scan stores seq at dest once proven (kernels.scan_topk);
+        # gate: [1] int32 on the device, 0 there makes the prefilter's scan do nothing
         torch = self._torch
         kern = self._k
         nq = q.shape[0]
@@ -575,6 +577,7 @@ class CudaFlatIndex:
                 final=(ws["ticket"], self._ids, scores, ids),
                 prefilter=prefilter,
                 publish=publish,
+                gate=gate,
                 trace=self.trace,
             )
             if fused:
@@ -758,12 +761,12 @@ class SearchGraph:
         self._ensure(True)
         return self._graphs[1] if len(self._graphs) > 1 else None
 
-    def _run(self, prefilter: bool = False) -> None:
+    def _run(self, prefilter: bool = False, gate: Any = None) -> None:
         filt = self.scope if self.scope_active else self.index._no_filter
         ws = self._ws[1] if prefilter else self._ws[0]
         self.index._launch(
             self.query, self.k, filt, self.scope_active, self.scores, self.ids, ws, self._status,
-            self.publish if prefilter else None,
+            self.publish if prefilter else None, gate,
         )  # fmt: skip
 
     def _capture(self) -> None:

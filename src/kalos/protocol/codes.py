@@ -102,6 +102,10 @@ class ResponseFlag(enum.IntFlag):
     # published it): its compute_ns is the sidecar's time up to the kernel's launch, and the
     # kernel's own time falls in the client's share of the round trip.
     DEVICE_PUBLISHED = 1
+    # With DEVICE_PUBLISHED: the GPU also picked the request up itself, with no sidecar CPU
+    # between the client and the kernel (server.doorbell): queue_ns, compute_ns and write_ns
+    # are 0, and the whole round trip is the client's share.
+    DEVICE_DOORBELL = 2
 
 
 class RecallFlag(enum.IntFlag):

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -37,6 +37,9 @@ from kalos.gpu import driver
 from kalos.index.cuda_flat import CudaFlatIndex, SearchGraph
 from kalos.protocol import layout as L
 from kalos.protocol.codes import ResponseFlag, Status
+
+if TYPE_CHECKING:
+    from kalos.server.doorbell import ArmedGraph, Doorbell
 
 # Per-channel GPU result buffer: room for this many queries and hits (nq * k).
 GPU_MAX_QUERIES = 64
@@ -191,9 +194,10 @@ class _HostResultGraph(SearchGraph):
         super().__init__(index, nq, k, scoped, query=self.inputs.query, scope=self.inputs.scope,
                          scores=scores, ids=ids, prefilter=True, publish=publish)  # fmt: skip
 
-    def _run(self, prefilter: bool = False) -> None:
-        self.inputs.copy()
-        super()._run(prefilter)
+    def _run(self, prefilter: bool = False, gate: Any = None) -> None:
+        if gate is None:  # gated: the doorbell's kernel writes the query and sequence itself
+            self.inputs.copy()
+        super()._run(prefilter, gate)
 
 
 class PinnedArena:
@@ -211,7 +215,13 @@ class PinnedArena:
     lock, before the channel's memory goes.
     """
 
-    def __init__(self, buf: np.ndarray, header: np.ndarray | None = None) -> None:
+    def __init__(
+        self,
+        buf: np.ndarray,
+        header: np.ndarray | None = None,
+        request: np.ndarray | None = None,
+        doorbell: Doorbell | None = None,
+    ) -> None:
         self._buf = buf  # keeps the mappings alive while registered
         self._header = header
         self.lo = int(buf.ctypes.data)
@@ -219,7 +229,19 @@ class PinnedArena:
         self._registered: list[int] = []
         self.graphs: dict[tuple[int, int, bool], _HostResultGraph] = {}
         self.resp_seq: Any = None  # the response sequence word, for the kernel ([1] int64)
-        self._resp_seq_addr = 0
+        self.resp_seq_addr = 0
+        # The doorbell's (server.doorbell), with the header and the start of the request
+        # arena registered too: the request header words [5] int64 from REQ_SEQ, the request
+        # arena's registered start (uint8), the response header words [6] int64 from RESP_SEQ.
+        self.doorbell = doorbell if header is not None and request is not None else None
+        self.request_words: Any = None
+        self.request: Any = None
+        self.response_words: Any = None
+        self.last_graph: _HostResultGraph | None = None  # the last graph whose kernel published
+        # the doorbell's, by (search graph, bytes of one query value on the wire)
+        self.armed_graphs: dict[tuple[_HostResultGraph, int], ArmedGraph] = {}
+        self._op_flags = (0, 0)
+        self._body: np.ndarray | None = None
         try:
             driver.host_register(self.lo, len(buf))
             self._registered.append(self.lo)
@@ -230,7 +252,21 @@ class PinnedArena:
                 self._registered.append(int(header.ctypes.data))
                 word = header[L.RESP_SEQ : L.RESP_SEQ + 8].view(np.int64)
                 self.resp_seq = torch.from_numpy(word)
-                self._resp_seq_addr = int(word.ctypes.data)
+                self.resp_seq_addr = int(word.ctypes.data)
+                if self.doorbell is not None:
+                    assert request is not None
+                    from kalos.server.doorbell import REQUEST_PINNED_BYTES
+
+                    request = request[:REQUEST_PINNED_BYTES]
+                    driver.host_register(int(request.ctypes.data), len(request))
+                    self._registered.append(int(request.ctypes.data))
+                    self.request = torch.from_numpy(request)
+                    self.request_words = torch.from_numpy(
+                        header[L.REQ_SEQ : L.REQ_SEQ + 40].view(np.int64)
+                    )
+                    self.response_words = torch.from_numpy(
+                        header[L.RESP_SEQ : L.RESP_SEQ + 48].view(np.int64)
+                    )
         except BaseException:
             self.close()
             raise
@@ -240,12 +276,16 @@ class PinnedArena:
         self._picked = 0
         self.published = False  # the GPU published the last request's response
 
-    def arm(self, seq: int, queue_ns: int, picked: int) -> None:
+    def arm(self, seq: int, queue_ns: int, picked: int, op: int = 0, flags: int = 0,
+            body: np.ndarray | None = None) -> None:  # fmt: skip
         """The poller, before dispatching request ``seq`` (picked up at monotonic ``picked``,
-        ``queue_ns`` after its publish): what :meth:`announce` writes."""
+        ``queue_ns`` after its publish; ``op``, ``flags`` and ``body`` its own): what
+        :meth:`announce` writes, and the doorbell's template."""
         self._seq = seq
         self._queue_ns = queue_ns
         self._picked = picked
+        self._op_flags = (op, flags)
+        self._body = body
         self.published = False
 
     def replay(self, graph: SearchGraph, body_len: int, seq_slot: np.ndarray, stream: Any) -> None:
@@ -255,6 +295,8 @@ class PinnedArena:
         whether the kernel stored the armed request's sequence number."""
         armed = graph.publish is not None and self.announce(body_len, seq_slot)
         self.published = graph.replay_and_wait(stream) and armed
+        if self.published:
+            self.last_graph = graph  # type: ignore[assignment]
 
     def announce(self, body_len: int, seq_slot: np.ndarray) -> bool:
         """Before launching a graph that publishes (``SearchGraph.publish``): writes the
@@ -266,8 +308,11 @@ class PinnedArena:
         seq = self._seq
         self._seq = 0  # one announce per arm
         if not seq:
-            seq_slot[0] = _native.load_acquire(self._resp_seq_addr)
+            seq_slot[0] = _native.load_acquire(self.resp_seq_addr)
             return False
+        door, body = self.doorbell, self._body
+        if door is not None and body is not None:  # the client waits: its request stays put
+            door.capture(self, self._op_flags[0], self._op_flags[1], body)
         assert self._header is not None  # a graph publishes only with the header registered
         L.RESP_FIELDS.pack_into(
             self._header, L.RESP_STATUS, _OK, _DEVICE_PUBLISHED, body_len, self._queue_ns,
@@ -285,8 +330,12 @@ class PinnedArena:
         return True
 
     def close(self) -> None:
+        for armed in self.armed_graphs.values():
+            armed.close()
+        self.armed_graphs.clear()
+        self.last_graph = None
         self.graphs.clear()
-        self.resp_seq = None
+        self.resp_seq = self.request = self.request_words = self.response_words = None
         while self._registered:
             driver.host_unregister(self._registered.pop())
 
@@ -309,9 +358,9 @@ class _DeviceResultGraph(SearchGraph):
             prefilter=True,
         )  # fmt: skip
 
-    def _run(self, prefilter: bool = False) -> None:
+    def _run(self, prefilter: bool = False, gate: Any = None) -> None:
         self.inputs.copy()
-        super()._run(prefilter)
+        super()._run(prefilter, gate)
 
 
 class Staging:
@@ -344,7 +393,7 @@ class Staging:
 class GpuSearch:
     """Serves searches on a :class:`CudaFlatIndex` through cached CUDA graphs."""
 
-    def __init__(self, index: Any) -> None:
+    def __init__(self, index: Any, doorbell: bool = False) -> None:
         import torch
 
         if not isinstance(index, CudaFlatIndex):
@@ -361,6 +410,14 @@ class GpuSearch:
         # on, so a search always sees every write before it.
         self.stream = torch.cuda.current_stream(index.device)
         self._graphs: dict[tuple[int, int, bool], _HostResultGraph] = {}
+        # The GPU's own pickup of a channel's next search (server.doorbell), where the kernel
+        # can publish; None: every request goes through the sidecar.
+        self.doorbell: Doorbell | None = None
+        if doorbell and index._k.publish_ok():
+            from kalos.server.doorbell import Doorbell, doorbell_ok
+
+            if doorbell_ok():
+                self.doorbell = Doorbell(index.device)
 
     def new_result_buffer(self) -> GpuResultBuffer:
         """A GPU result buffer for a new channel (called from the listener's thread)."""
@@ -373,13 +430,30 @@ class GpuSearch:
         if scope is not None:  # an unfiltered graph does not read it
             self.staging.scope_np[:] = scope
 
-    def pin(self, arena: np.ndarray, header: np.ndarray | None = None) -> PinnedArena:
+    def pin(
+        self,
+        arena: np.ndarray,
+        header: np.ndarray | None = None,
+        request: np.ndarray | None = None,
+    ) -> PinnedArena:
         """Registers the start of a channel's response arena (enough for the largest graph
         search's response) for in-place results, and its ``header`` page (the channel's
         first ``layout.CHANNEL_HEADER_SIZE`` bytes) when given, for responses the GPU
-        publishes; close it before the channel goes."""
+        publishes; with its ``request`` arena too, the GPU may pick up the channel's searches
+        (server.doorbell). Release it (:meth:`unpin`) before the channel goes."""
         driver.ensure_context(self.device)
-        return PinnedArena(arena[: min(len(arena), PINNED_BYTES)], header)
+        return PinnedArena(arena[: min(len(arena), PINNED_BYTES)], header, request, self.doorbell)
+
+    def unpin(self, pinned: PinnedArena) -> None:
+        """Undoes :meth:`pin` (under the dispatch lock): nothing armed on it any more."""
+        if self.doorbell is not None:
+            self.doorbell.release(pinned)
+        pinned.close()
+
+    def settle(self) -> None:
+        """Before other work on the GPU's stream (under the dispatch lock): no graph armed."""
+        if self.doorbell is not None:
+            self.doorbell.settle()
 
     def search(
         self,

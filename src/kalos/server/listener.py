@@ -191,7 +191,9 @@ class Listener:
         try:
             if self.gpu is not None:
                 with self._lock:  # CUDA work stays serialised with dispatch
-                    ch.pinned = self.gpu.pin(ch.resp_arena, ch.buf[: L.CHANNEL_HEADER_SIZE])
+                    ch.pinned = self.gpu.pin(
+                        ch.resp_arena, ch.buf[: L.CHANNEL_HEADER_SIZE], ch.req_arena
+                    )
                     if hello.get("gpu_results"):
                         ch.gpu = self.gpu.new_result_buffer()
                 if ch.gpu is not None:
@@ -239,7 +241,8 @@ class Listener:
             if gpu is not None:
                 gpu.free()
             if pinned is not None:
-                pinned.close()
+                assert self.gpu is not None
+                self.gpu.unpin(pinned)
 
     def negotiate(
         self, hello: dict[str, Any], transports: tuple[str, ...] = ("shm", "uds")

@@ -99,7 +99,9 @@ class Sidecar:
         if config.device.startswith("cuda"):
             from kalos.server.gpu_search import GpuSearch
 
-            self.gpu = self.memories.gpu = GpuSearch(self.memories.index)
+            self.gpu = self.memories.gpu = GpuSearch(
+                self.memories.index, doorbell=config.gpu_doorbell
+            )
         self.lock = threading.Lock()  # serialises dispatch between the poller and uds threads
         # Sessions' token ids, shared read-only with shm clients (CONTEXT by reference).
         self.token_heap: TokenHeap | None = None
@@ -173,6 +175,8 @@ class Sidecar:
             heartbeat_ms=config.heartbeat_ms,
             journal=self.durability,
         )
+        if self.gpu is not None:
+            self.poller.doorbell = self.gpu.doorbell
         if self.durability is not None:
             self.durability.on_durable = self.poller.wake  # a commit landed: release writes
         self._handle = handle
@@ -199,6 +203,7 @@ class Sidecar:
             "admin_port": self.admin.port if self.admin is not None else None,
             "grpc": list(self.grpc.addresses) if self.grpc is not None else [],
             **({"durability": self.durability.stats()} if self.durability is not None else {}),
+            **(door.stats() if (door := self.poller.doorbell) is not None else {}),
         }
 
     def _beat(self) -> None:

@@ -403,6 +403,7 @@ def _scan_topk_kernel(
     status_ptr,
     seq_ptr,  # PUBLISH: [1] int64 on the device, the response's sequence number
     pub_ptr,  # PUBLISH: [1] int64 in registered host memory, the channel's response sequence
+    gate_ptr,  # GATED: [1] int32 on the device; 0: this launch does nothing (server.doorbell)
     trace_ptr,  # TRACE: [P + 1, 8] int64, where the time goes (see scan_topk's trace)
     RSTRIDE,  # rows between two replicas of thr and slots (replica r of query q: r * RSTRIDE + q)
     nq,
@@ -436,6 +437,7 @@ def _scan_topk_kernel(
     GW: tl.constexpr,  # the slots' width: key_width(kg)
     USE_THR: tl.constexpr,  # the lists' k-th key as a bound too (lists of >= k rows)
     PUBLISH: tl.constexpr,  # CODES: store seq at pub once proven; 0 off, 1 plain, 2 fenced (GPU)
+    GATED: tl.constexpr,  # read gate first: 0 there scans no row and writes no result
     TRACE: tl.constexpr,  # 0 off; 1 counts only (the interpreter); 2 counts and GPU clocks
     REPL: tl.constexpr,  # replicas of the bounds (ScanConfig.bound_replicas)
 ):
@@ -447,6 +449,11 @@ def _scan_topk_kernel(
     merged = 0
     walked = 0
     n = tl.load(n_ptr)
+    if GATED:  # a closed gate: no tile, and the last program selects and writes nothing
+        go = tl.load(gate_ptr)
+        n = tl.where(go != 0, n, 0)
+    else:
+        go = n * 0 + 1
     n_tiles = tl.cdiv(n, BLOCK_N)
 
     q = _load_queries(q_ptr, stride_q, nq, D, BLOCK_D, BLOCK_Q, METRIC)  # [BLOCK_Q, BLOCK_D]
@@ -559,40 +566,41 @@ def _scan_topk_kernel(
         tl.debug_barrier()
         ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
         if ticket == P - 1:
-            if CODES != 0:
-                key, bound, total, lists_last = _select_top(
-                    pid * 0, cand_ptr, thr_ptr, slot_ptr, surv_ptr, P * KP, kg, GW, KPC, SURV,
-                    CHUNK, True, True, KP, trace_ptr + P * 8, TRACE, RSTRIDE, REPL,
-                )  # fmt: skip
-                if TRACE != 0:
-                    tl.store(trace_ptr + P * 8, _clock(pid, TRACE))
-                    tl.store(trace_ptr + P * 8 + 4, total)
-                if KPC > KP:  # noqa: SIM108 - a constexpr branch
-                    # lists shorter than the rows kept: a row left out may also have been
-                    # pushed off its program's list (below that list's last key) or skipped
-                    # (below the bound): the proof must clear those too
-                    floor = tl.maximum(bound, lists_last)
+            if go != 0:
+                if CODES != 0:
+                    key, bound, total, lists_last = _select_top(
+                        pid * 0, cand_ptr, thr_ptr, slot_ptr, surv_ptr, P * KP, kg, GW, KPC, SURV,
+                        CHUNK, True, True, KP, trace_ptr + P * 8, TRACE, RSTRIDE, REPL,
+                    )  # fmt: skip
+                    if TRACE != 0:
+                        tl.store(trace_ptr + P * 8, _clock(pid, TRACE))
+                        tl.store(trace_ptr + P * 8 + 4, total)
+                    if KPC > KP:  # noqa: SIM108 - a constexpr branch
+                        # lists shorter than the rows kept: a row left out may also have been
+                        # pushed off its program's list (below that list's last key) or skipped
+                        # (below the bound): the proof must clear those too
+                        floor = tl.maximum(bound, lists_last)
+                    else:
+                        floor = bound * 0 + _KEY_NONE
+                    top, exact = _rerank(
+                        db_ptr, sq_ptr, status_ptr, key, floor, qv, kf, D, BLOCK_D, KPF, METRIC
+                    )
+                    if TRACE != 0:
+                        tl.store(trace_ptr + P * 8 + 1, _clock(pid, TRACE))
+                    _write_top(
+                        pid * 0, top, ids_ptr, q_ptr, scores_ptr, out_ids_ptr, kf, stride_q,
+                        stride_os, stride_oi, D, BLOCK_D, KPF, METRIC,
+                    )  # fmt: skip
+                    if TRACE != 0:
+                        tl.store(trace_ptr + P * 8 + 2, _clock(pid, TRACE))
+                    if PUBLISH != 0:
+                        _publish_seq(seq_ptr, pub_ptr, exact.to(tl.int32), PUBLISH)
                 else:
-                    floor = bound * 0 + _KEY_NONE
-                top, exact = _rerank(
-                    db_ptr, sq_ptr, status_ptr, key, floor, qv, kf, D, BLOCK_D, KPF, METRIC
-                )
-                if TRACE != 0:
-                    tl.store(trace_ptr + P * 8 + 1, _clock(pid, TRACE))
-                _write_top(
-                    pid * 0, top, ids_ptr, q_ptr, scores_ptr, out_ids_ptr, kf, stride_q,
-                    stride_os, stride_oi, D, BLOCK_D, KPF, METRIC,
-                )  # fmt: skip
-                if TRACE != 0:
-                    tl.store(trace_ptr + P * 8 + 2, _clock(pid, TRACE))
-                if PUBLISH != 0:
-                    _publish_seq(seq_ptr, pub_ptr, exact.to(tl.int32), PUBLISH)
-            else:
-                _final_topk(
-                    pid * 0, cand_ptr, thr_ptr, slot_ptr, surv_ptr, ids_ptr, q_ptr, scores_ptr,
-                    out_ids_ptr, P * KP, k, stride_q, stride_os, stride_oi, D, BLOCK_D, KP,
-                    SURV, CHUNK, METRIC, True, True, RSTRIDE, REPL,
-                )  # fmt: skip
+                    _final_topk(
+                        pid * 0, cand_ptr, thr_ptr, slot_ptr, surv_ptr, ids_ptr, q_ptr, scores_ptr,
+                        out_ids_ptr, P * KP, k, stride_q, stride_os, stride_oi, D, BLOCK_D, KP,
+                        SURV, CHUNK, METRIC, True, True, RSTRIDE, REPL,
+                    )  # fmt: skip
             tl.store(ticket_ptr, 0)
             if TRACE != 0:
                 tl.store(trace_ptr + P * 8 + 3, pid)  # the last program
@@ -1160,6 +1168,7 @@ def scan_topk(
     final: tuple | None = None,
     prefilter: tuple | None = None,
     publish: tuple | None = None,
+    gate: Any = None,
     trace: Any = None,
 ) -> bool:
     """Launch the fused scan.
@@ -1187,6 +1196,10 @@ def scan_topk(
     result stores visible to the host and then stores seq into dest (a release at system
     scope), so that a host waiting on dest may read the results without waiting for the
     stream. Unproven: dest is left alone. Needs :func:`publish_ok`.
+
+    gate: None, or [1] int32 on the device, read first by every program: 0 there makes this
+    launch scan no row and select, write and publish nothing (``server.doorbell``'s graph,
+    whose first kernel decides whether the search runs at all).
 
     cfg.bound_replicas: copies of the bounds (a power of two): thr [replicas * m] and slots
     [replicas * m, KP] hold replica r of query q at row r * m + q (m >= nq); every merge raises
@@ -1261,6 +1274,7 @@ def scan_topk(
         status,
         seq,
         dest,
+        db if gate is None else gate,
         db if trace is None else trace,
         thr.shape[0] // replicas,
         nq,
@@ -1294,6 +1308,7 @@ def scan_topk(
         GW=kpc,
         USE_THR=kp >= kpc,
         PUBLISH=publish_mode,
+        GATED=gate is not None,
         TRACE=0 if trace is None else 2 if mode == "ptx" else 1,
         REPL=replicas,
         num_warps=cfg.num_warps,

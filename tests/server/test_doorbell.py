@@ -1,0 +1,369 @@
+"""The GPU's own pickup of a channel's next search (server.doorbell), on the CPU.
+
+The real poller, dispatcher, memory store, GpuSearch and doorbell serve a real channel, with
+the kernels under Triton's interpreter. There an armed graph runs when the poller reaches the
+next request (``Doorbell.answer``) or cancels it (``Doorbell.settle``), reading each word
+once: the order of events the GPU sees. The test drives the poller's ``serve`` itself, one
+request at a time, as the client's protocol calls would (publish, then the poller's turn).
+Without CUDA, host registration is recorded, page-locking is a no-op and the stream is None.
+"""
+
+from __future__ import annotations
+
+# isort: off
+from triton_interp import torch
+
+# isort: on
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from cuda_reference import check_result, make_index, unprovable_rows
+from kalos import _native
+from kalos.gpu import driver
+from kalos.protocol import codes
+from kalos.protocol import layout as L
+from kalos.protocol import messages as M
+from kalos.protocol.codes import Op, ResponseFlag, Status
+from kalos.protocol.messages import Scope
+from kalos.server.channels import Poller, ServerChannel
+from kalos.server.dispatch import Dispatcher
+from kalos.server.gpu_search import GpuSearch
+from kalos.stores.memories import MemoryStore
+from kalos.transport.memory import SharedMemory, create
+
+DIM, K = 64, 10
+ACME, BETA = Scope("acme", None, None), Scope("beta", None, None)
+PUBLISHED = int(ResponseFlag.DEVICE_PUBLISHED)
+DOORBELL = int(ResponseFlag.DEVICE_PUBLISHED | ResponseFlag.DEVICE_DOORBELL)
+
+
+class Recorded:
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int, int, int, int]] = []
+
+    def record(self, op, status, queue_ns, compute_ns, write_ns) -> None:
+        self.calls.append((op, status, queue_ns, compute_ns, write_ns))
+
+
+@dataclass
+class Served:
+    gpu: GpuSearch
+    memories: MemoryStore
+    dispatcher: Dispatcher
+    poller: Poller
+    ctrl: SharedMemory
+    channels: list[ServerChannel]
+    x: np.ndarray
+    ids: np.ndarray
+    scopes: np.ndarray  # each row's scope codes (acme: tenant 1, beta: tenant 2)
+    base: np.ndarray  # the prefilter cannot prove a search along it
+    seqs: dict[int, int]
+
+    @property
+    def door(self):
+        return self.gpu.doorbell
+
+    def search(self, query, k=K, scope=ACME, ch=0, deadline_s=1.0, op=Op.SEARCH):
+        """One request through the poller: the client's publish, then the poller's turn.
+        Returns (status, flags, header timings, scores, ids)."""
+        c = self.channels[ch]
+        n = M.encode_search(c.req_arena, query[None], k, M.encode_scope_fields(scope))
+        now = time.monotonic_ns()
+        deadline = now + int(deadline_s * 1e9) if deadline_s else 0
+        L.REQ_FIELDS.pack_into(c.buf, L.REQ_OP, op, 0, n, now, deadline)
+        seq = self.seqs[ch] = self.seqs[ch] + 1
+        _native.store_release(c.req_seq, seq)
+        self.poller.serve(c, seq)
+        assert _native.load_acquire(c.resp_seq) == seq
+        status, flags, body_len, queue, compute, write = L.RESP_FIELDS.unpack_from(
+            c.buf, L.RESP_STATUS
+        )
+        if status != Status.OK:
+            return status, flags, (queue, compute, write), None, None
+        r = M.decode_search_response(c.resp_arena, body_len)
+        return status, flags, (queue, compute, write), r.scores.copy(), r.ids.copy()
+
+    def check(self, query, scores, got, scope_code, k=K) -> None:
+        check_result(
+            self.memories.index, self.x, self.ids, self.scopes, query[None], k, scores, got,
+            scope=(scope_code, 0, 0),
+        )  # fmt: skip
+
+
+@pytest.fixture
+def served(monkeypatch):
+    registered: list[int] = []
+    monkeypatch.setattr(driver, "host_register", lambda ptr, n: registered.append(ptr))
+    monkeypatch.setattr(driver, "host_unregister", lambda ptr: registered.remove(ptr))
+    monkeypatch.setattr(driver, "ensure_context", lambda device: None)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **kw: self)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **kw: None)
+    x, ids, base = unprovable_rows(np.random.default_rng(5), DIM)
+    index = make_index("ip", "fp32", DIM, "cpu")
+    index.prefilter_min_rows = 0
+    memories = MemoryStore(index)
+    none = np.zeros(0, np.uint8)
+    scopes = np.zeros((len(ids), 3), np.int64)
+    for lo, hi, scope, code in ((0, 300, ACME, 1), (300, 400, BETA, 2)):
+        m = hi - lo
+        memories.add(ids[lo:hi], x[lo:hi], np.zeros(m, np.uint8), np.zeros(m + 1, np.uint64),
+                     none, scope)  # fmt: skip
+        scopes[lo:hi, 0] = code
+    gpu = GpuSearch(index, doorbell=True)
+    assert gpu.doorbell is not None
+    memories.gpu = gpu
+    dispatcher = Dispatcher(memories)
+    ctrl = SharedMemory(create("kalos-test-control", L.CONTROL_SIZE), L.CONTROL_SIZE)
+    channels = []
+    for cid in (1, 2):
+        ch = ServerChannel(cid, 7, L.MIN_ARENA_BYTES)
+        ch.pinned = gpu.pin(ch.resp_arena, ch.buf[: L.CHANNEL_HEADER_SIZE], ch.req_arena)
+        channels.append(ch)
+    assert len(registered) == 6  # each channel: response arena, header page, request arena
+    poller = Poller(ctrl, dispatcher.handle, threading.Lock(), spin_us=100, heartbeat_ms=100)
+    poller.doorbell = gpu.doorbell
+    poller.metrics = Recorded()  # type: ignore[assignment]
+    for ch in channels:
+        poller.add(ch)
+    s = Served(gpu, memories, dispatcher, poller, ctrl, channels, x, ids, scopes, base,
+               {0: 0, 1: 0})  # fmt: skip
+    try:
+        yield s
+    finally:
+        for ch in channels:
+            gpu.unpin(ch.pinned)
+        assert registered == []
+        assert gpu.doorbell.armed is None
+
+
+def query(seed: int, dtype=np.float32) -> np.ndarray:
+    """A random query the prefilter proves: pointing away from ``base``, so that the 150
+    near-copies of it (acme's first rows) are not among its best."""
+    q = np.random.default_rng(seed).standard_normal(DIM).astype(np.float32)
+    base = unprovable_rows(np.random.default_rng(5), DIM)[2]
+    return (-q if q @ base > 0 else q).astype(dtype)
+
+
+def test_the_gpu_takes_the_next_search_of_the_same_shape(served):
+    q = query(1)
+    status, flags, _, scores, got = served.search(q)  # through the poller: then armed
+    assert (status, flags) == (Status.OK, PUBLISHED)
+    served.check(q, scores, got, 1)
+    assert served.door.armed is served.channels[0].pinned
+    for seed in range(2, 6):
+        q = query(seed)
+        status, flags, timings, scores, got = served.search(q)
+        assert (status, flags, timings) == (Status.OK, DOORBELL, (0, 0, 0))
+        served.check(q, scores, got, 1)
+    assert served.door.answered == 4
+    assert served.poller.device_published == 5
+    assert served.channels[0].requests == 5
+    calls = served.poller.metrics.calls
+    assert [c[:3] for c in calls] == [(Op.SEARCH, Status.OK, c[2]) for c in calls]
+    assert all(c[2] == 0 for c in calls[1:])  # no queue: the GPU took them
+    assert served.dispatcher.requests[Op.SEARCH] == 1  # the dispatcher saw the first only
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["scope", "k", "dtype", "deadline", "nan", "inf"],
+)
+def test_a_request_unlike_the_template_is_served_by_the_sidecar(served, change):
+    q = query(7)
+    served.search(q)
+    assert served.door.armed is not None
+    q2, k, scope, deadline, code = query(8), K, ACME, 1.0, 1
+    if change == "scope":  # another tenant's rows: the device holds acme's filter
+        scope, code = BETA, 2
+    elif change == "k":
+        k = 5
+    elif change == "dtype":
+        q2 = q2.astype(np.float16)
+    elif change == "deadline":  # closer than the GPU can vouch for: the sidecar checks it
+        deadline = 0.001
+    elif change in ("nan", "inf"):
+        q2[3] = np.nan if change == "nan" else np.inf
+    status, flags, _timings, scores, got = served.search(q2, k=k, scope=scope, deadline_s=deadline)
+    assert served.door.declined == 1 and served.door.answered == 0
+    if change in ("nan", "inf"):
+        assert status == Status.INVALID_REQUEST
+        return
+    assert (status, flags) == (Status.OK, PUBLISHED)
+    served.check(q2.astype(np.float32), scores, got, code, k=k)
+    # armed again for the new shape: the next one like it is the GPU's
+    q3 = query(9, q2.dtype)
+    status, flags, _, scores, got = served.search(q3, k=k, scope=scope, deadline_s=deadline)
+    if change == "deadline":
+        assert flags == PUBLISHED  # still too close
+        return
+    assert flags == DOORBELL
+    served.check(q3.astype(np.float32), scores, got, code, k=k)
+
+
+def test_an_unproven_search_the_gpu_took_is_answered_by_the_sidecar(served):
+    served.search(query(10))
+    status, flags, _, scores, got = served.search(served.base)
+    assert (status, flags) == (Status.OK, 0)  # the full scan's answer, published by the poller
+    served.check(served.base, scores, got, 1)
+    assert served.door.unproven == 1 and served.door.armed is None
+    status, flags, _, scores, got = served.search(query(11))
+    assert flags == PUBLISHED  # the sidecar's path, then armed again
+    status, flags, _, scores, got = served.search(query(12))
+    assert flags == DOORBELL
+
+
+def test_a_write_cancels_the_armed_search_and_is_seen_by_the_next(served):
+    served.search(query(13))
+    assert served.door.armed is not None
+    c = served.channels[0]
+    seen = c.resp_arena[:4096].copy()  # the client may still read these views
+    # another client's ADD (a uds thread, say) runs through the dispatcher under the lock
+    new_id, row = 10_000, query(14) * 50  # scores far above every other row
+    body = np.zeros(1 << 16, np.uint8)
+    n = M.encode_add(body, np.array([new_id]), row[None], np.zeros(1, np.uint8), [b""],
+                     M.encode_scope_fields(ACME))  # fmt: skip
+    status, *_ = served.dispatcher.handle(Op.ADD, 0, body[:n], np.zeros(4096, np.uint8))
+    assert status == Status.OK
+    assert served.door.armed is None  # settled before the add touched the index
+    # the cancelled graph's scan ran with its gate closed: the last answer is untouched
+    assert np.array_equal(c.resp_arena[:4096], seen)
+    assert _native.load_acquire(c.resp_seq) == served.seqs[0]
+    status, flags, _, _scores, got = served.search(query(14))
+    assert flags == PUBLISHED and got[0, 0] == new_id
+
+
+def test_a_search_on_another_channel_cancels_the_armed_one(served):
+    served.search(query(15))
+    assert served.door.armed is served.channels[0].pinned
+    _status, flags, _, scores, got = served.search(query(16), ch=1)
+    assert flags == PUBLISHED
+    served.check(query(16), scores, got, 1)
+    assert served.door.armed is served.channels[1].pinned
+    _status, flags, _, _, _ = served.search(query(17), ch=0)
+    assert flags == PUBLISHED  # channel 1 was armed: the sidecar served it, then armed it
+
+
+def test_a_request_taken_before_a_cancel_is_answered(served):
+    """The GPU took the client's request just as the sidecar cancelled (for other work): the
+    response is the GPU's, and the poller only keeps the books when it reaches it."""
+    served.search(query(18))
+    c = served.channels[0]
+    q = query(19)
+    n = M.encode_search(c.req_arena, q[None], K, M.encode_scope_fields(ACME))
+    now = time.monotonic_ns()
+    L.REQ_FIELDS.pack_into(c.buf, L.REQ_OP, Op.SEARCH, 0, n, now, now + 10**9)
+    seq = served.seqs[0] = served.seqs[0] + 1
+    _native.store_release(c.req_seq, seq)
+    served.gpu.settle()  # e.g. an add from another thread, before the poller's sweep
+    assert served.door.claims == {c.pinned: (seq, True)}
+    assert _native.load_acquire(c.resp_seq) == seq  # the client has its answer already
+    before = served.dispatcher.requests[Op.SEARCH]
+    served.poller.serve(c, seq)
+    assert served.dispatcher.requests[Op.SEARCH] == before  # books only
+    assert served.door.claims == {} and served.door.answered == 1
+    r = M.decode_search_response(c.resp_arena, L.RESP_FIELDS.unpack_from(c.buf, L.RESP_STATUS)[2])
+    served.check(q, r.scores, r.ids, 1)
+
+
+def test_the_template_is_the_validated_request_not_the_arena_now(served):
+    """The template is taken before the launch, while the client waits; a client that writes
+    its next request into the arena afterwards cannot make it match by construction."""
+    served.search(query(20))
+    arm = served.door.arm_np
+    at = int(arm[4])
+    template = served.door.template_np[:at].tobytes()
+    c = served.channels[0]
+    assert template == c.req_arena[:at].tobytes()
+    scope = M.encode_scope_fields(ACME)
+    head = M.encode_search(np.zeros(4096, np.uint8), query(1)[None], K, scope)
+    assert head == int(arm[3])  # the body length it checks
+    assert int(arm[2]) == Op.SEARCH  # op, flags 0
+    assert np.frombuffer(template[12:16], np.uint32)[0] == codes.DTYPE_F32
+
+
+def test_stopping_cancels_the_armed_search(served):
+    served.search(query(21))
+    assert served.door.armed is not None
+    served.poller.stop()
+    served.poller.run()  # returns at once: stopping, after settling
+    assert served.door.armed is None
+
+
+def test_a_graph_that_cannot_be_built_turns_the_doorbell_off(served, monkeypatch):
+    """A GPU or Triton that cannot build the doorbell's kernel: the sidecar says why (STATS)
+    and serves every search through the poller, as without a doorbell."""
+    from kalos.server import doorbell
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no such PTX instruction")
+
+    monkeypatch.setattr(doorbell, "ArmedGraph", refuse)
+    for seed in (22, 23, 24):
+        q = query(seed)
+        status, flags, _, scores, got = served.search(q)
+        assert (status, flags) == (Status.OK, PUBLISHED)
+        served.check(q, scores, got, 1)
+    assert served.door.armed is None
+    assert served.door.stats()["gpu_doorbell_failed"] == "RuntimeError: no such PTX instruction"
+
+
+def test_the_doorbell_is_off_unless_asked_for(served):
+    index = served.memories.index
+    assert GpuSearch(index).doorbell is None
+
+
+def test_the_doorbell_kernel_builds_for_an_h200():
+    """Compiles the kernel the GPU runs (its inline PTX: acquire and relaxed loads at system
+    scope in a loop, the global timer, the fence and the release store) for sm_90 with
+    Triton's own ptxas, without a GPU, in a process without the interpreter; skipped where
+    this Triton has no CUDA toolchain."""
+    script = textwrap.dedent(
+        """
+        import json, sys
+        try:
+            from triton.backends.compiler import GPUTarget
+            from triton.compiler import ASTSource
+            import triton
+        except ImportError as exc:
+            print(json.dumps({"skip": str(exc)})); sys.exit(0)
+        from kalos.server import doorbell
+        sig = {name: "*i64" for name in ("req_ptr", "resp_ptr", "arm_ptr", "ctl_ptr", "seq_ptr")}
+        sig.update(body_ptr="*u8", tmpl_ptr="*u8", query_ptr="*fp16", dest_ptr="*fp32",
+                   gate_ptr="*i32")
+        consts = {"D": 128, "BLOCK_D": 128, "ESIZE": 2, "TMAX": doorbell.TEMPLATE_BYTES,
+                  "GPU": True}
+        sig.update({name: "constexpr" for name in consts})
+        try:
+            k = triton.compile(ASTSource(fn=doorbell._doorbell_kernel, signature=sig,
+                                         constexprs=consts),
+                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+        except Exception as exc:
+            if "ptxas" in str(exc).lower() or "backend" in str(exc).lower():
+                print(json.dumps({"skip": str(exc)})); sys.exit(0)
+            raise
+        print(json.dumps({"ptx": k.asm["ptx"], "cubin": len(k.asm["cubin"])}))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    if "skip" in out:
+        pytest.skip(f"no CUDA toolchain in this triton: {out['skip']}")
+    ptx = out["ptx"]
+    assert "ld.acquire.sys.global.b64" in ptx and "%globaltimer" in ptx
+    assert "st.global.release.sys.b64" in ptx and "fence.sc.sys" in ptx
+    assert out["cubin"] > 0
+
