@@ -292,7 +292,10 @@ def test_shared_words_are_8_byte_aligned() -> None:
 def test_protocol_version_and_limits() -> None:
     assert codes.PROTOCOL_VERSION == (1, 4)
     assert codes.MAX_K == 1024
-    assert {f.name: int(f) for f in codes.ResponseFlag} == {"DEVICE_PUBLISHED": 1}
+    assert {f.name: int(f) for f in codes.ResponseFlag} == {
+        "DEVICE_PUBLISHED": 1,
+        "DEVICE_DOORBELL": 2,
+    }
 
 
 def test_op_codes() -> None:
