@@ -366,4 +366,3 @@ def test_the_doorbell_kernel_builds_for_an_h200():
     assert "ld.acquire.sys.global.b64" in ptx and "%globaltimer" in ptx
     assert "st.global.release.sys.b64" in ptx and "fence.sc.sys" in ptx
     assert out["cubin"] > 0
-
