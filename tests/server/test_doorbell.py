@@ -275,6 +275,27 @@ def test_a_request_taken_before_a_cancel_is_answered(served):
     served.check(q, r.scores, r.ids, 1)
 
 
+def test_a_request_the_poller_never_saw_is_counted(served):
+    """The GPU answered a request before the poller came round to it, and the client has
+    sent its next one: the poller serves that one (nothing armed takes it) and counts the
+    earlier answer."""
+    served.search(query(26))
+    c = served.channels[0]
+    scope = M.encode_scope_fields(ACME)
+    n = M.encode_search(c.req_arena, query(27)[None], K, scope)
+    now = time.monotonic_ns()
+    L.REQ_FIELDS.pack_into(c.buf, L.REQ_OP, Op.SEARCH, 0, n, now, now + 10**9)
+    taken = served.seqs[0] = served.seqs[0] + 1
+    _native.store_release(c.req_seq, taken)
+    served.door._run_pending()  # the GPU, on its own: takes and answers it
+    assert _native.load_acquire(c.resp_seq) == taken
+    q = query(28)
+    status, flags, _, scores, got = served.search(q)  # the poller's first sight of the channel
+    assert (status, flags) == (Status.OK, PUBLISHED)
+    served.check(q, scores, got, 1)
+    assert served.door.answered == 1
+
+
 def test_the_template_is_the_validated_request_not_the_arena_now(served):
     """The template is taken before the launch, while the client waits; a client that writes
     its next request into the arena afterwards cannot make it match by construction."""

@@ -230,11 +230,16 @@ class ArmedGraph:
         door = self._door
         stream = torch.cuda.Stream(device=index.device)
         stream.wait_stream(torch.cuda.current_stream(index.device))
-        door.ctl_np[0] = 1  # compiling run: cancelled at once, the gate closed
+        # The compiling run: cancelled at once, and with a body length no request has, so
+        # that it declines even a request the client has published meanwhile.
+        body_len = int(door.arm_np[_BODY_LEN])
+        door.arm_np[_BODY_LEN] = -1
+        door.ctl_np[0] = 1
         with torch.cuda.stream(stream):
             self.work()
         stream.synchronize()
         door.ctl_np[:] = 0
+        door.arm_np[_BODY_LEN] = body_len
         cuda_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(cuda_graph, stream=stream):
             self.work()
@@ -383,6 +388,10 @@ class Doorbell:
         if verdict != seq << 2 | TAKEN:
             if verdict & 3 == DECLINED:
                 self.declined += 1
+            elif verdict & 3 == TAKEN:
+                # An earlier request, answered (its client has sent this one) before the
+                # poller came round to it: counted here, outside the request metrics.
+                self.answered += 1
             self._stop(graph)
             return False
         resp_seq = pinned.resp_seq_addr
