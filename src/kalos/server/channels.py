@@ -280,7 +280,9 @@ class Poller:
                     self._answered(ch, seq, op, publish_ns)
                     return
             if pinned is not None:  # a cuda sidecar: its GPU may publish a search's response
-                pinned.arm(seq, queue_ns, picked, op, flags, ch.req_arena[:body_len])
+                # (with a doorbell: the request, its template should the GPU take the next)
+                body = ch.req_arena[:body_len] if door is not None else None
+                pinned.arm(seq, queue_ns, picked, op, flags, body)
             lock.acquire()
             try:
                 status, n, compute_ns, write_ns = self._handle(

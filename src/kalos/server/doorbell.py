@@ -179,8 +179,9 @@ def doorbell_ok() -> bool:
 
 class ArmedGraph:
     """One channel's search graph with the doorbell kernel ahead of it, for one wire dtype of
-    the query: ``run`` queues (or, under the interpreter, does) the whole armed search:
-    the arm block to the device, the doorbell kernel, the gated scan."""
+    the query: :meth:`work` queues (or, under the interpreter, does) the whole armed search:
+    the arm block to the device, the doorbell kernel, the gated scan; on a GPU it is captured
+    once as a CUDA graph, which :attr:`launch` launches."""
 
     def __init__(self, door: Doorbell, pinned: PinnedArena, graph: _HostResultGraph,
                  esize: int) -> None:  # fmt: skip
