@@ -17,6 +17,7 @@ from triton_interp import torch
 
 import json
 import os
+import queue
 import subprocess
 import sys
 import textwrap
@@ -290,10 +291,13 @@ def test_a_request_the_poller_never_saw_is_counted(served):
     served.door._run_pending()  # the GPU, on its own: takes and answers it
     assert _native.load_acquire(c.resp_seq) == taken
     q = query(28)
+    before = served.channels[0].requests
     status, flags, _, scores, got = served.search(q)  # the poller's first sight of the channel
     assert (status, flags) == (Status.OK, PUBLISHED)
     served.check(q, scores, got, 1)
     assert served.door.answered == 1
+    assert served.channels[0].requests == before + 2  # the books of both
+    assert [c[0] for c in served.poller.metrics.calls[-2:]] == [Op.SEARCH, Op.SEARCH]
 
 
 def test_the_template_is_the_validated_request_not_the_arena_now(served):
@@ -387,3 +391,199 @@ def test_the_doorbell_kernel_builds_for_an_h200():
     assert "ld.acquire.sys.global.b64" in ptx and "%globaltimer" in ptx
     assert "st.global.release.sys.b64" in ptx and "fence.sc.sys" in ptx
     assert out["cubin"] > 0
+
+
+# -- the GPU's side as a stream of its own ----------------------------------------------------
+#
+# Above, an armed graph runs when the poller reaches it. Below, it runs on a thread of its own
+# that stands in for the GPU's stream, so the doorbell's GPU-mode paths run for real, beside a
+# running poller and client threads: launches queue in order; each one's doorbell polls the
+# request and cancel words (in Python) until a request, a cancel or its budget, then does the
+# armed graph's work (interpreted); an event per launch says when it has finished.
+
+
+class EmulatedStream:
+    def __init__(self) -> None:
+        self.jobs: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            job()
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.thread.join(30)
+
+
+class EmulatedLaunch:
+    """``driver.GraphLaunch``'s interface over :class:`EmulatedStream`."""
+
+    def __init__(self, armed, stream: EmulatedStream) -> None:
+        self.armed, self.stream = armed, stream
+        self.events = [threading.Event(), threading.Event()]
+        for e in self.events:
+            e.set()
+        self.last = 0
+
+    def __call__(self) -> None:
+        self.last ^= 1
+        done = self.events[self.last] = threading.Event()
+        door = self.armed._door
+        req_addr = self.armed._args[0].data_ptr()  # the channel's REQ_SEQ word
+        cancel_addr = int(door.ctl_np.ctypes.data)
+
+        def job() -> None:
+            armed_seq = int(door.arm_np[0])  # the arm block as the graph's copy takes it
+            end = time.monotonic_ns() + int(door.arm_np[1])
+            while (
+                _native.load_acquire(req_addr) == armed_seq
+                and _native.load_acquire(cancel_addr) == 0
+                and time.monotonic_ns() < end
+            ):
+                time.sleep(50e-6)
+            self.armed.work()
+            done.set()
+
+        self.stream.jobs.put(job)
+
+    def done(self, previous: bool = False) -> bool:
+        return self.events[self.last ^ previous].is_set()
+
+    def wait(self) -> None:
+        assert self.events[self.last].wait(60), "the emulated stream is stuck"
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def streamed(served, monkeypatch):
+    """``served`` with armed graphs launched on an emulated stream and the poller running."""
+    from kalos.server import doorbell
+
+    stream = EmulatedStream()
+    init = doorbell.ArmedGraph.__init__
+
+    def with_launch(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.launch = EmulatedLaunch(self, stream)
+
+    monkeypatch.setattr(doorbell.ArmedGraph, "__init__", with_launch)
+    # 300 ms: it settles and parks between bursts, but not while the interpreter holds the GIL
+    served.poller._spin_ns = 300_000_000
+    monkeypatch.setattr(doorbell, "VERDICT_WAIT_NS", 10**10)  # an interpreted kernel is slow
+    thread = threading.Thread(target=served.poller.run, daemon=True)
+    thread.start()
+    try:
+        yield served
+    finally:
+        served.poller.stop()
+        thread.join(60)
+        stream.close()
+
+
+def call(served: Served, ch: int, q: np.ndarray, k: int = K, scope=ACME):
+    """A client's SEARCH on channel ``ch`` through the running poller: (flags, scores, ids)."""
+    c = served.channels[ch]
+    n = M.encode_search(c.req_arena, q[None], k, M.encode_scope_fields(scope))
+    now = time.monotonic_ns()
+    L.REQ_FIELDS.pack_into(c.buf, L.REQ_OP, Op.SEARCH, 0, n, now, now + 60 * 10**9)
+    seq = served.seqs[ch] = served.seqs[ch] + 1
+    ctrl = served.ctrl.addr
+    _native.publish(c.req_seq, seq, ctrl + L.CTRL_SERVER_PARKED, ctrl + L.CTRL_BELL)
+    assert _native.wait_seq(c.resp_seq, seq, c.client_parked, c.client_bell, 10**6, 60 * 10**9)
+    status, flags, body_len, *_ = L.RESP_FIELDS.unpack_from(c.buf, L.RESP_STATUS)
+    assert status == Status.OK
+    r = M.decode_search_response(c.resp_arena, body_len)
+    return flags, r.scores.copy(), r.ids.copy()
+
+
+def test_repeats_idle_gaps_clients_and_writes_with_the_gpu_on_its_own(streamed):
+    """One client's repeats (the GPU takes them), an idle gap (the kernel's budget runs out
+    and it is re-armed, then the poller settles and parks), then two channels' clients at
+    once with another thread's ADDs and shape changes: every answer exact, and every request
+    reaches the books once."""
+    s = streamed
+    s.door.arm_np[1] = 10**9  # the kernel's budget: 1 s while the client works
+    flags_seen: list[int] = []
+    for seed in range(100, 112):  # one client alone: the first through the poller, then the GPU
+        q = query(seed)
+        flags, scores, got = call(s, 0, q)
+        s.check(q, scores, got, 1)
+        flags_seen.append(flags)
+    # the first through the poller; the rest the GPU's, but where this emulated GPU answers
+    # before the poller has seen a request (its threads share one interpreter), the next
+    # goes through the poller
+    assert flags_seen[0] == PUBLISHED and flags_seen[1] == DOORBELL
+    assert flags_seen.count(DOORBELL) >= 6, flags_seen
+    # a request the GPU takes but cannot prove: the poller sees the scan end without the
+    # publish (the launch's event), cancels the next armed graph and runs the full scan
+    s.door.arm_np[1] = 10**11  # no budget to end the next armed graph: only the cancel does
+    flags, scores, got = call(s, 0, s.base)
+    s.check(s.base, scores, got, 1)
+    assert flags == 0 and s.door.unproven == 1
+    flags, scores, got = call(s, 0, query(98))  # through the poller (then armed again)
+    flags_seen.append(flags)
+    s.door.arm_np[1] = 5_000_000  # 5 ms, taken by the armed graph the next answer launches
+    q = query(99)
+    flags, scores, got = call(s, 0, q)
+    s.check(q, scores, got, 1)
+    flags_seen.append(flags)
+    time.sleep(0.8)  # idle: budgets run out (re-armed), then the poller settles and parks
+    assert s.door.expired >= 1 and s.door.armed is None
+    q = query(112)
+    flags, scores, got = call(s, 0, q)
+    s.check(q, scores, got, 1)
+    assert flags == PUBLISHED  # after a park: through the poller, then armed again
+    flags_seen.append(flags)
+
+    errors: list[BaseException] = []
+
+    def client(ch: int, seeds: range) -> None:
+        try:
+            for i, seed in enumerate(seeds):
+                q = query(seed)
+                k = 5 if i % 7 == 6 else K
+                flags, scores, got = call(s, ch, q, k)
+                s.check(q, scores, got, 1, k=k)
+                flags_seen.append(flags)
+        except BaseException as exc:
+            errors.append(exc)
+
+    def writer() -> None:
+        try:
+            rng = np.random.default_rng(9)
+            body = np.zeros(1 << 16, np.uint8)
+            for i in range(3):
+                row = 1e-3 * rng.standard_normal((1, DIM)).astype(np.float32)  # never a top-k
+                n = M.encode_add(body, np.array([20_000 + i]), row, np.zeros(1, np.uint8),
+                                 [b""], M.encode_scope_fields(ACME))  # fmt: skip
+                with s.poller._lock:
+                    status, *_ = s.dispatcher.handle(Op.ADD, 0, body[:n], np.zeros(4096, np.uint8))
+                assert status == Status.OK
+                time.sleep(0.05)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [
+        threading.Thread(target=client, args=(0, range(200, 220))),
+        threading.Thread(target=client, args=(1, range(300, 312))),
+        threading.Thread(target=writer),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert not errors, errors[0]
+    assert len(flags_seen) == 12 + 1 + 1 + 1 + 20 + 12
+    total = len(flags_seen) + 1  # and the unproven one
+    assert set(flags_seen) <= {PUBLISHED, DOORBELL}
+    assert s.door.answered == flags_seen.count(DOORBELL)
+    assert s.channels[0].requests + s.channels[1].requests == total
+    searches = [c for c in s.poller.metrics.calls if c[0] == Op.SEARCH]
+    assert len(searches) == total and all(c[1] == Status.OK for c in searches)

@@ -274,8 +274,11 @@ class Poller:
                 lock.acquire()
                 try:
                     answered = door.answer(pinned, seq)
+                    missed, door.unbooked = door.unbooked, []
                 finally:
                     lock.release()
+                for _ in missed:  # answered by the GPU before this poller saw them
+                    self._answered(ch, 0, op, 0)
                 if answered:  # the GPU took the request and published the response
                     self._answered(ch, seq, op, publish_ns)
                     return
@@ -327,9 +330,11 @@ class Poller:
     def _answered(self, ch: ServerChannel, seq: int, op: int, publish_ns: int) -> None:
         """The books of a request the GPU took and answered itself (server.doorbell): its
         response header and sequence word are written; storing the word again wakes a parked
-        client. The metrics take its whole time from the client's publish as compute."""
-        ch.last_seq = seq
-        _publish(ch.resp_seq, seq, ch.client_parked, ch.client_bell)
+        client. The metrics take its whole time from the client's publish as compute (0 when
+        unknown). ``seq`` 0: one the poller never saw (its client has sent the next)."""
+        if seq:
+            ch.last_seq = seq
+            _publish(ch.resp_seq, seq, ch.client_parked, ch.client_bell)
         ch.requests += 1
         self.device_published += 1
         metrics = self.metrics

@@ -289,6 +289,9 @@ class Doorbell:
         self._esize = 0
         # What the GPU took before a settle: channel -> (its sequence number, published).
         self.claims: dict[PinnedArena, tuple[int, bool]] = {}
+        # Requests on the channel of the last answer() that the GPU answered before the poller
+        # saw them: their sequence numbers, for the poller's books (it empties the list).
+        self.unbooked: list[int] = []
         self.answered = 0  # requests the GPU took and answered
         self.declined = 0
         self.unproven = 0  # taken, but the prefilter could not prove them: the sidecar answered
@@ -390,9 +393,10 @@ class Doorbell:
             if verdict & 3 == DECLINED:
                 self.declined += 1
             elif verdict & 3 == TAKEN:
-                # An earlier request, answered (its client has sent this one) before the
-                # poller came round to it: counted here, outside the request metrics.
+                # An earlier request, answered before the poller came round to it (its client
+                # has sent this one, so the GPU published it): the caller keeps its books.
                 self.answered += 1
+                self.unbooked.append(verdict >> 2)
             self._stop(graph)
             return False
         resp_seq = pinned.resp_seq_addr
