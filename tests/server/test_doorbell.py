@@ -277,9 +277,9 @@ def test_a_request_taken_before_a_cancel_is_answered(served):
 
 
 def test_a_request_the_poller_never_saw_is_counted(served):
-    """The GPU answered a request before the poller came round to it, and the client has
-    sent its next one: the poller serves that one (nothing armed takes it) and counts the
-    earlier answer."""
+    """The GPU answered a search before the poller came round to it, and the client has sent
+    its next request (a PING): the poller serves that one and keeps the books of both, the
+    earlier one as a SEARCH."""
     served.search(query(26))
     c = served.channels[0]
     scope = M.encode_scope_fields(ACME)
@@ -290,14 +290,21 @@ def test_a_request_the_poller_never_saw_is_counted(served):
     _native.store_release(c.req_seq, taken)
     served.door._run_pending()  # the GPU, on its own: takes and answers it
     assert _native.load_acquire(c.resp_seq) == taken
-    q = query(28)
     before = served.channels[0].requests
-    status, flags, _, scores, got = served.search(q)  # the poller's first sight of the channel
-    assert (status, flags) == (Status.OK, PUBLISHED)
-    served.check(q, scores, got, 1)
+    # the client's next request, a PING: the poller's first sight of the channel since
+    L.REQ_FIELDS.pack_into(c.buf, L.REQ_OP, Op.PING, 0, 0, time.monotonic_ns(), 0)
+    seq = served.seqs[0] = served.seqs[0] + 1
+    _native.store_release(c.req_seq, seq)
+    served.poller.serve(c, seq)
+    assert _native.load_acquire(c.resp_seq) == seq
     assert served.door.answered == 1
     assert served.channels[0].requests == before + 2  # the books of both
-    assert [c[0] for c in served.poller.metrics.calls[-2:]] == [Op.SEARCH, Op.SEARCH]
+    ops = [call[:2] for call in served.poller.metrics.calls[-2:]]
+    assert ops == [(Op.SEARCH, Status.OK), (Op.PING, Status.OK)]
+    q = query(28)
+    status, flags, _, scores, got = served.search(q)  # nothing armed: through the poller
+    assert (status, flags) == (Status.OK, PUBLISHED)
+    served.check(q, scores, got, 1)
 
 
 def test_the_template_is_the_validated_request_not_the_arena_now(served):

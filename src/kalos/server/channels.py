@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from kalos import _native
 from kalos.protocol import layout as L
-from kalos.protocol.codes import Status
+from kalos.protocol.codes import Op, Status
 from kalos.protocol.messages import encode_text
 from kalos.transport.memory import SharedMemory, create
 
@@ -278,7 +278,7 @@ class Poller:
                 finally:
                     lock.release()
                 for _ in missed:  # answered by the GPU before this poller saw them
-                    self._answered(ch, 0, op, 0)
+                    self._answered(ch, 0, Op.SEARCH, 0)  # the GPU takes only searches
                 if answered:  # the GPU took the request and published the response
                     self._answered(ch, seq, op, publish_ns)
                     return
