@@ -230,8 +230,8 @@ class PinnedArena:
         self.graphs: dict[tuple[int, int, bool], _HostResultGraph] = {}
         self.resp_seq: Any = None  # the response sequence word, for the kernel ([1] int64)
         self.resp_seq_addr = 0
-        # The doorbell's (server.doorbell), with the header and the start of the request
-        # arena registered too: the request header words [5] int64 from REQ_SEQ, the request
+        # The doorbell's (server.doorbell), with the header and the request arena registered
+        # too: the request header words [5] int64 from REQ_SEQ, the request
         # arena's registered start (uint8), the response header words [6] int64 from RESP_SEQ.
         self.doorbell = doorbell if header is not None and request is not None else None
         self.request_words: Any = None
@@ -255,9 +255,8 @@ class PinnedArena:
                 self.resp_seq_addr = int(word.ctypes.data)
                 if self.doorbell is not None:
                     assert request is not None
-                    from kalos.server.doorbell import REQUEST_PINNED_BYTES
-
-                    request = request[:REQUEST_PINNED_BYTES]
+                    # The whole arena: a range registered in part makes the driver refuse
+                    # any copy from an array that straddles its end (e.g. an ADD's ids).
                     driver.host_register(int(request.ctypes.data), len(request))
                     self._registered.append(int(request.ctypes.data))
                     self.request = torch.from_numpy(request)
