@@ -112,10 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--gpu-doorbell",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="cuda: the GPU picks a channel's next search of the same shape up itself, with no "
-        "sidecar CPU between the client and the kernel (not yet measured on a GPU; default: "
-        "every search goes through the sidecar's poller)",
+        "sidecar CPU between the client and the kernel (default; --no-gpu-doorbell: every "
+        "search goes through the sidecar's poller)",
     )
     serve.add_argument(
         "--token-heap-mb",

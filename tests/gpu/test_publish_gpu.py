@@ -4,7 +4,8 @@ kernel stores the response's sequence word itself. Every answer against an exact
 for spinning and parked clients, across writes, beside GPU-result searches (which the
 sidecar publishes) on the same channel.
 
-The doorbell tests (server.doorbell) run on a second sidecar started with ``--gpu-doorbell``.
+The first sidecar runs with ``--no-gpu-doorbell`` (the poller's path); the doorbell tests
+(server.doorbell) run on a second one with the default, the doorbell on.
 
 Run on a CUDA machine: ``pytest -m gpu tests/gpu``. Skipped without CUDA.
 """
@@ -47,13 +48,13 @@ def _loaded(name: str, *extra: str):
 
 @pytest.fixture(scope="module")
 def big_sidecar():
-    yield from _loaded("gpu-publish")
+    yield from _loaded("gpu-publish", "--no-gpu-doorbell")
 
 
 @pytest.fixture(scope="module")
 def doorbell_sidecar():
-    """The same rows served with ``--gpu-doorbell`` (server.doorbell)."""
-    yield from _loaded("gpu-doorbell", "--gpu-doorbell")
+    """The same rows served with the GPU doorbell (server.doorbell), the default."""
+    yield from _loaded("gpu-doorbell")
 
 
 def check(
@@ -126,12 +127,15 @@ def test_the_gpu_picks_up_the_next_search_itself(doorbell_sidecar, spin_us):
     with sc.connect(spin_us=spin_us, timeout=120) as client:
         client.search(qs[0], K, payloads=False)
         before = doorbell(client)
-        for q in qs:
-            r = client.search(q, K, payloads=False)
-            check(db, ids, q, r.ids, r.scores)
+        # back to back, as a serving loop calls: the answers are checked afterwards (a check
+        # takes ms, longer than the poller spins before it settles the armed graph and parks)
+        got = [client.search(q, K, payloads=False, copy=True) for q in qs]
         after = doorbell(client)
+    for q, r in zip(qs, got, strict=True):
+        check(db, ids, q, r.ids, r.scores)
     answered = after["gpu_doorbell_answered"] - before["gpu_doorbell_answered"]
     assert answered >= 280, (before, after)
+    assert after["gpu_doorbell_failed"] is None
 
 
 def test_requests_unlike_the_armed_one_and_writes_between(doorbell_sidecar):
@@ -141,33 +145,35 @@ def test_requests_unlike_the_armed_one_and_writes_between(doorbell_sidecar):
     rng = np.random.default_rng(11)
     qs = rng.standard_normal((40, DIM)).astype(np.float32)
     gone: list[int] = []
+    # (query, result, the ids removed by then, k): checked after the loop, which runs back to
+    # back so that the graph stays armed between requests
+    done: list[tuple[np.ndarray, object, tuple[int, ...], int]] = []
     with sc.connect(spin_us=1000, timeout=120) as a, sc.connect(spin_us=1000, timeout=120) as b:
         before = doorbell(a)
         for i, q in enumerate(qs):
             r = a.search(q, K, payloads=False, copy=True)
-            check(db, ids, q, r.ids, r.scores, gone)
+            done.append((q, r, tuple(gone), K))
             step = i % 5
             if step == 0:  # another k
-                r5 = a.search(q, 5, payloads=False, copy=True)
-                check(db, ids, q, r5.ids, r5.scores, gone, k=5)
+                done.append((q, a.search(q, 5, payloads=False, copy=True), tuple(gone), 5))
             elif step == 1:  # an fp16 query: another template
                 h = q.astype(np.float16)
                 r16 = a.search(h, K, payloads=False, copy=True)
-                check(db, ids, h.astype(np.float32), r16.ids, r16.scores, gone)
+                done.append((h.astype(np.float32), r16, tuple(gone), K))
             elif step == 2:  # a NaN: refused, the sidecar keeps serving
                 bad = q.copy()
                 bad[0] = np.nan
                 with pytest.raises(kalos.InvalidRequest):
                     a.search(bad, K, payloads=False)
             elif step == 3:  # another channel's search cancels the armed one
-                rb = b.search(q, K, payloads=False, copy=True)
-                check(db, ids, q, rb.ids, rb.scores, gone)
+                done.append((q, b.search(q, K, payloads=False, copy=True), tuple(gone), K))
             else:  # a write settles it; the next search sees the write
                 assert a.remove(r.ids[:1]) == 1
                 gone.append(int(r.ids[0]))
-            r = a.search(q, K, payloads=False)
-            check(db, ids, q, r.ids, r.scores, gone)
+            done.append((q, a.search(q, K, payloads=False, copy=True), tuple(gone), K))
         after = doorbell(a)
+        for q, r, removed, k in done:
+            check(db, ids, q, r.ids, r.scores, removed, k=k)  # type: ignore[attr-defined]
         rows = torch.tensor([(i - 1) // 3 for i in gone]).cuda()
         a.add(db[rows].float().cpu().numpy(), np.array(gone, dtype=np.int64))
     assert after["gpu_doorbell_answered"] > before["gpu_doorbell_answered"]
@@ -187,9 +193,9 @@ def test_clients_racing_on_two_channels(doorbell_sidecar):
         try:
             qs = np.random.default_rng(seed).standard_normal((150, DIM)).astype(np.float32)
             with sc.connect(spin_us=1000, timeout=120) as client:
-                for q in qs:
-                    r = client.search(q, K, payloads=False, copy=True)
-                    check(db, ids, q, r.ids, r.scores)
+                got = [client.search(q, K, payloads=False, copy=True) for q in qs]
+            for q, r in zip(qs, got, strict=True):  # afterwards: the searches race back to back
+                check(db, ids, q, r.ids, r.scores)
         except BaseException as exc:  # reported below
             errors.append(exc)
 

@@ -37,6 +37,7 @@ from kalos.protocol import messages as M
 from kalos.protocol.codes import Op, ResponseFlag, Status
 from kalos.protocol.messages import Scope
 from kalos.server.channels import Poller, ServerChannel
+from kalos.server.config import SidecarConfig
 from kalos.server.dispatch import Dispatcher
 from kalos.server.gpu_search import GpuSearch
 from kalos.stores.memories import MemoryStore
@@ -349,9 +350,16 @@ def test_a_graph_that_cannot_be_built_turns_the_doorbell_off(served, monkeypatch
     assert served.door.stats()["gpu_doorbell_failed"] == "RuntimeError: no such PTX instruction"
 
 
-def test_the_doorbell_is_off_unless_asked_for(served):
-    index = served.memories.index
-    assert GpuSearch(index).doorbell is None
+def test_the_doorbell_is_on_in_a_sidecar_by_default_and_off_when_asked(served):
+    """A sidecar's default (SidecarConfig, the CLI's --gpu-doorbell / --no-gpu-doorbell); a
+    GpuSearch made in process (e.g. by a benchmark) has none unless asked for."""
+    from kalos.cli import build_parser
+
+    assert SidecarConfig(name="s", dim=8).gpu_doorbell is True
+    serve = ["serve", "--name", "s", "--dim", "8"]
+    assert build_parser().parse_args(serve).gpu_doorbell is True
+    assert build_parser().parse_args([*serve, "--no-gpu-doorbell"]).gpu_doorbell is False
+    assert GpuSearch(served.memories.index).doorbell is None
 
 
 def test_the_doorbell_kernel_builds_for_an_h200():

@@ -2,10 +2,11 @@
 
 For each size (100K, 1M, 10M x 128 and 1M x 768, fp16, batch 1) in one run:
 
-- ``kalos-shm``: a client's ``search`` through a ``--device cuda`` sidecar, host results;
-- ``kalos-shm-doorbell``: the same through a second sidecar started with ``--gpu-doorbell``
-  (the GPU picks each search up itself: ``server.doorbell``), where the doorbell applies
-  (the int8 prefilter's sizes) and the index has at most ``--compare-rows`` rows;
+- ``kalos-shm``: a client's ``search`` through a ``--device cuda`` sidecar, host results
+  (where the int8 prefilter runs, the GPU picks each search up itself: ``server.doorbell``);
+- ``kalos-shm-poller``: the same through a second sidecar started with ``--no-gpu-doorbell``
+  (the sidecar's poller launches each search), where the doorbell applies (the int8
+  prefilter's sizes) and the index has at most ``--compare-rows`` rows;
 - ``kalos-shm-gpu``: ``search_gpu`` with a numpy query, results handed over on the GPU;
 - ``kalos-shm-gpu-query``: ``search_gpu`` with a torch CUDA query that never leaves the GPU;
 - ``kalos-kernel``: the fused scan + top-k alone, a graph replay timed with CUDA events;
@@ -54,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the timed client's spin_us (kalos.connect's default against a GPU "
                         "sidecar: 200)")  # fmt: skip
     p.add_argument("--compare-rows", type=int, default=2_000_000,
-                   help="largest index also timed through a --gpu-doorbell sidecar")  # fmt: skip
+                   help="largest index also timed through a --no-gpu-doorbell sidecar")  # fmt: skip
     add_affinity_argument(p, cpus="last two CPUs")
 
 
@@ -254,12 +255,12 @@ def _run_size(args: argparse.Namespace, torch: Any, n: int, dim: int, bw: float)
                 timed, stages[name] = _timed_host(args, client, fn)
                 rows.append(summarize(name, timed["samples"], timed["wall"]))
             client.close()
-    # The same host searches with the GPU picking each up itself, side by side.
+    # The same host searches with the sidecar's poller launching each, side by side.
     doorbell_applies = n >= index.prefilter_min_rows and index.prefilter_ok(1, k)
     if doorbell_applies and n <= args.compare_rows:
         with tempfile.TemporaryDirectory(prefix="kalos-bench-") as rd, isolated_sidecar(
-            dim=dim, name="bench-gpu-doorbell", runtime_dir=rd,
-            extra_args=("--device", "cuda", "--reserve", str(n), "--gpu-doorbell"),
+            dim=dim, name="bench-gpu-poller", runtime_dir=rd,
+            extra_args=("--device", "cuda", "--reserve", str(n), "--no-gpu-doorbell"),
         ) as sidecar:  # fmt: skip
             _load(sidecar, db, ids, n, dim)
             with cpu_split(args.affinity, {"sidecar": sidecar.process.pid}, 2):
@@ -275,7 +276,7 @@ def _run_size(args: argparse.Namespace, torch: Any, n: int, dim: int, bw: float)
                 def plain(i: int) -> None:
                     client.search(queries[i], k, payloads=False)
 
-                name = "kalos-shm-doorbell"
+                name = "kalos-shm-poller"
                 timed, stages[name] = _timed_host(args, client, plain)
                 rows.append(summarize(name, timed["samples"], timed["wall"]))
                 client.close()
@@ -285,7 +286,7 @@ def _run_size(args: argparse.Namespace, torch: Any, n: int, dim: int, bw: float)
     summary = {
         "e2e_p99_us": by["kalos-shm"]["p99_us"],
         "e2e_gpu_p99_us": by["kalos-shm-gpu"]["p99_us"],
-        "e2e_doorbell_p99_us": by.get("kalos-shm-doorbell", {}).get("p99_us"),
+        "e2e_poller_p99_us": by.get("kalos-shm-poller", {}).get("p99_us"),
         "kernel_p50_us": by["kalos-kernel"]["p50_us"],
         "kernel_over_floor": round(by["kalos-kernel"]["p50_us"] / floor_us, 3),
         "prefilter_kernel_p50_us": by.get("kalos-kernel-prefilter", {}).get("p50_us"),

@@ -52,9 +52,10 @@ class SidecarConfig:
     # captured search graphs stay valid). 0: grow on demand.
     reserve: int = 0
     # A cuda sidecar's GPU picks a channel's next search up itself, with no sidecar CPU
-    # between the client and the kernel (kalos.server.doorbell; kalos serve --gpu-doorbell).
-    # Off by default until it has been measured on a GPU (bench/NOTES-gpu.md, run 14).
-    gpu_doorbell: bool = False
+    # between the client and the kernel (kalos.server.doorbell; off: kalos serve
+    # --no-gpu-doorbell). On the H200 it takes the 1M x 128 p99 from 103 to 80 µs
+    # (bench/NOTES-gpu.md, run 15).
+    gpu_doorbell: bool = True
     limits: Limits = dataclasses.field(default_factory=Limits)
     # The admin HTTP endpoint on 127.0.0.1 (kalos.server.admin): None turns it off; 0 picks a
     # free port. With admin_port_strict False a taken port only logs a warning (the CLI's
