@@ -255,6 +255,30 @@ def test_a_search_on_another_channel_cancels_the_armed_one(served):
     assert flags == PUBLISHED  # channel 1 was armed: the sidecar served it, then armed it
 
 
+def test_another_channels_request_that_needs_no_gpu_leaves_it_armed(served):
+    """A PING (or a session's append, a state read: no GPU) on another channel is served
+    beside the armed graph, which takes channel 0's next search; a STATS (it reads the GPU's
+    memory) settles it."""
+    served.search(query(29))
+    armed = served.channels[0].pinned
+    c = served.channels[1]
+    for op in (Op.PING, Op.STATS):
+        L.REQ_FIELDS.pack_into(c.buf, L.REQ_OP, op, 0, 0, time.monotonic_ns(), 0)
+        seq = served.seqs[1] = served.seqs[1] + 1
+        _native.store_release(c.req_seq, seq)
+        served.poller.serve(c, seq)
+        assert _native.load_acquire(c.resp_seq) == seq
+        assert L.RESP_FIELDS.unpack_from(c.buf, L.RESP_STATUS)[0] == Status.OK
+        if op == Op.PING:
+            assert served.door.armed is armed
+            q = query(30)
+            _status, flags, _, scores, got = served.search(q)
+            assert flags == DOORBELL  # the GPU's, armed across the PING
+            served.check(q, scores, got, 1)
+    assert served.door.armed is None
+    assert served.door.declined == 0
+
+
 def test_a_request_taken_before_a_cancel_is_answered(served):
     """The GPU took the client's request just as the sidecar cancelled (for other work): the
     response is the GPU's, and the poller only keeps the books when it reaches it."""

@@ -22,6 +22,7 @@ from kalos import _native
 from kalos.protocol import layout as L
 from kalos.protocol.codes import Op, Status
 from kalos.protocol.messages import encode_text
+from kalos.server.dispatch import GPU_OPS
 from kalos.transport.memory import SharedMemory, create
 
 if TYPE_CHECKING:
@@ -273,7 +274,7 @@ class Poller:
             if door is not None and (door.armed is not None or door.claims):
                 lock.acquire()
                 try:
-                    answered = door.answer(pinned, seq)
+                    answered = door.answer(pinned, seq, op in GPU_OPS)
                     missed, door.unbooked = door.unbooked, []
                 finally:
                     lock.release()

@@ -67,7 +67,7 @@ WRITE_OPS: frozenset[int] = frozenset(
 )
 
 # Ops that may put work on a cuda sidecar's GPU stream (server.doorbell: settle first).
-_GPU_OPS = frozenset(int(o) for o in (Op.STATS, Op.ADD, Op.REMOVE, Op.SEARCH, Op.FORGET, Op.RECALL))
+GPU_OPS = frozenset(int(o) for o in (Op.STATS, Op.ADD, Op.REMOVE, Op.SEARCH, Op.FORGET, Op.RECALL))
 _OK = int(Status.OK)  # an IntEnum member costs ~0.08 µs per attribute lookup
 _PIN_SYSTEM = int(codes.AppendFlag.PIN_SYSTEM)
 _SET_ROLLING = int(codes.AppendFlag.SET_ROLLING)
@@ -171,7 +171,7 @@ class Dispatcher:
         """
         t0 = _monotonic_ns()
         gpu = self.memories.gpu
-        if gpu is not None and op in _GPU_OPS:  # no graph may stay armed ahead of this work
+        if gpu is not None and op in GPU_OPS:  # no graph may stay armed ahead of this work
             gpu.settle()
         self.now_ns = _time_ns() if now_ns is None else now_ns
         self.gpu_buffer = gpu_buffer

@@ -376,11 +376,13 @@ class Doorbell:
 
     # -- after the GPU took a request ---------------------------------------------------------
 
-    def answer(self, pinned: PinnedArena | None, seq: int) -> bool:
-        """The poller (under the dispatch lock), for request ``seq`` on channel ``pinned``:
-        whether the GPU took and answered it (the response is published; the caller keeps
-        the books and wakes a parked client). False: the caller serves it; the stream is
-        idle then."""
+    def answer(self, pinned: PinnedArena | None, seq: int, gpu_op: bool = True) -> bool:
+        """The poller (under the dispatch lock), for request ``seq`` on channel ``pinned``
+        (``gpu_op``: whether its op may use the GPU, dispatch's ``GPU_OPS``): whether the
+        GPU took and answered it (the response is published; the caller keeps the books and
+        wakes a parked client). False: the caller serves it; the stream is idle then, or,
+        for another channel's request that needs no GPU (a session's append, a PING), the
+        armed graph stays armed."""
         if pinned is not None and self.claims:
             claim = self.claims.pop(pinned, None)
             if claim is not None and claim[0] == seq:
@@ -388,7 +390,8 @@ class Doorbell:
         if self.armed is None:
             return False
         if self.armed is not pinned:
-            self.settle()
+            if gpu_op:
+                self.settle()
             return False
         graph = self._graph
         assert graph is not None
