@@ -33,12 +33,16 @@ _TYPES = {torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
 def compile_doorbell() -> None:
     sig = {name: "*i64" for name in ("req_ptr", "resp_ptr", "arm_ptr", "ctl_ptr", "seq_ptr")}
     sig.update(body_ptr="*u8", tmpl_ptr="*u8", query_ptr="*fp16", dest_ptr="*fp32",
-               gate_ptr="*i32")  # fmt: skip
-    consts = {"D": 128, "BLOCK_D": 128, "ESIZE": 2, "TMAX": doorbell.TEMPLATE_BYTES, "GPU": True}
-    sig.update({name: "constexpr" for name in consts})
-    k = triton.compile(ASTSource(fn=doorbell._doorbell_kernel, signature=sig, constexprs=consts),
-                       target=TARGET, options={"num_warps": 1})  # fmt: skip
-    print(f"doorbell: cubin {len(k.asm['cubin'])} bytes, shared {k.metadata.shared}")
+               gate_ptr="*i32", trace_ptr="*i64")  # fmt: skip
+    for trace in (False, True):
+        consts = {"D": 128, "BLOCK_D": 128, "ESIZE": 2, "TMAX": doorbell.TEMPLATE_BYTES,
+                  "GPU": True, "TRACE": trace}  # fmt: skip
+        sig.update({name: "constexpr" for name in consts})
+        k = triton.compile(ASTSource(fn=doorbell._doorbell_kernel, signature=sig,
+                                     constexprs=consts),
+                           target=TARGET, options={"num_warps": 1})  # fmt: skip
+        print(f"doorbell (trace {trace}): cubin {len(k.asm['cubin'])} bytes, "
+              f"shared {k.metadata.shared}")
 
 
 def compile_scan() -> None:

@@ -12,6 +12,13 @@ changes. Three rows, µs from the host's store (or launch) to the verdict seen o
 - ``launch``: the request already there when the kernel is launched: the launch and the
   kernel's start, for scale.
 
+Then, unless ``--no-trace``, the pickups again with the kernel's trace on (``TRACE``: the
+GPU's ``%globaltimer`` after each step, each read after the data it follows), one row per
+step, µs: ``poll-period`` (one turn of the wait loop: the acquire of the request word and
+the read of the cancel word), ``header-read`` (the request's four header words, from the
+loop's exit), ``body-read`` (the template's words and the query), ``stores-fence`` (the
+device and response-header stores and the fence before the verdict).
+
 Usage: ``python3 bench/doorbell_latency.py [--reps 1000] [--lead-us 50] [--out DIR]`` on a
 CUDA machine.
 """
@@ -46,6 +53,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=1000)
     ap.add_argument("--lead-us", type=float, default=50.0, help="the kernel polls this long first")
     ap.add_argument("--out", default="")
+    ap.add_argument("--no-trace", action="store_true", help="skip the traced pickups")
     args = ap.parse_args()
     import torch
 
@@ -78,14 +86,17 @@ def main() -> int:
     verdict_addr = int(ctl.ctypes.data) + 8
     req_seq_addr = int(req.ctypes.data)
 
-    def launch(armed: int) -> None:
+    trace = torch.zeros(8, dtype=torch.int64, device=dev)
+
+    def launch(armed: int, traced: bool = False) -> None:
         words[0] = armed
         arm[:8].copy_(torch.from_numpy(words))
         ctl[:] = 0
         D._doorbell_kernel[(1,)](
             pinned["req"], pinned["body"], pinned["body"].view(torch.float32), pinned["resp"],
-            arm, template, pinned["ctl"], seq_dev, query_dev, gate,
-            D=DIM, BLOCK_D=DIM, ESIZE=4, TMAX=D.TEMPLATE_BYTES, GPU=True, num_warps=1,
+            arm, template, pinned["ctl"], seq_dev, query_dev, gate, trace,
+            D=DIM, BLOCK_D=DIM, ESIZE=4, TMAX=D.TEMPLATE_BYTES, GPU=True, TRACE=traced,
+            num_warps=1,
         )  # fmt: skip
 
     def lead() -> None:
@@ -128,6 +139,25 @@ def main() -> int:
         if i >= 20:
             samples["launch"].append(t1 - t0)
         seq += 1
+    if not args.no_trace:  # where a pickup's time goes, on the GPU's clock
+        steps: dict[str, list[int]] = {
+            "poll-period": [], "header-read": [], "body-read": [], "stores-fence": []
+        }  # fmt: skip
+        for i in range(args.reps + 20):
+            launch(seq - 1, traced=True)
+            lead()
+            _native.store_release(req_seq_addr, seq)
+            _spin_until(verdict_addr, 0)
+            torch.cuda.synchronize()
+            wrong += int(int(ctl[1]) != seq << 2 | D.TAKEN)
+            start, seen, header, body, fenced, polls = trace[:6].tolist()
+            if i >= 20:
+                steps["poll-period"].append((seen - start) // max(polls, 1))
+                steps["header-read"].append(header - seen)
+                steps["body-read"].append(body - header)
+                steps["stores-fence"].append(fenced - body)
+            seq += 1
+        samples.update(steps)
     rows = [summarize(name, np.array(v)) for name, v in samples.items()]
     for row in rows:
         print(row)

@@ -403,19 +403,22 @@ def test_the_doorbell_kernel_builds_for_an_h200():
         from kalos.server import doorbell
         sig = {name: "*i64" for name in ("req_ptr", "resp_ptr", "arm_ptr", "ctl_ptr", "seq_ptr")}
         sig.update(body_ptr="*u8", tmpl_ptr="*u8", query_ptr="*fp16", dest_ptr="*fp32",
-                   gate_ptr="*i32")
-        consts = {"D": 128, "BLOCK_D": 128, "ESIZE": 2, "TMAX": doorbell.TEMPLATE_BYTES,
-                  "GPU": True}
-        sig.update({name: "constexpr" for name in consts})
-        try:
-            k = triton.compile(ASTSource(fn=doorbell._doorbell_kernel, signature=sig,
-                                         constexprs=consts),
-                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
-        except Exception as exc:
-            if "ptxas" in str(exc).lower() or "backend" in str(exc).lower():
-                print(json.dumps({"skip": str(exc)})); sys.exit(0)
-            raise
-        print(json.dumps({"ptx": k.asm["ptx"], "cubin": len(k.asm["cubin"])}))
+                   gate_ptr="*i32", trace_ptr="*i64")
+        out = {}
+        for trace in (False, True):  # the kernel the sidecar runs, and the probe's
+            consts = {"D": 128, "BLOCK_D": 128, "ESIZE": 2, "TMAX": doorbell.TEMPLATE_BYTES,
+                      "GPU": True, "TRACE": trace}
+            sig.update({name: "constexpr" for name in consts})
+            try:
+                k = triton.compile(ASTSource(fn=doorbell._doorbell_kernel, signature=sig,
+                                             constexprs=consts),
+                                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+            except Exception as exc:
+                if "ptxas" in str(exc).lower() or "backend" in str(exc).lower():
+                    print(json.dumps({"skip": str(exc)})); sys.exit(0)
+                raise
+            out["trace" if trace else "plain"] = {"ptx": k.asm["ptx"], "cubin": len(k.asm["cubin"])}
+        print(json.dumps(out))
         """
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -426,10 +429,12 @@ def test_the_doorbell_kernel_builds_for_an_h200():
     out = json.loads(run.stdout.strip().splitlines()[-1])
     if "skip" in out:
         pytest.skip(f"no CUDA toolchain in this triton: {out['skip']}")
-    ptx = out["ptx"]
+    ptx = out["plain"]["ptx"]
     assert "ld.acquire.sys.global.b64" in ptx and "%globaltimer" in ptx
     assert "st.global.release.sys.b64" in ptx and "fence.sc.sys" in ptx
-    assert out["cubin"] > 0
+    # the trace's four clock reads are compiled out of the sidecar's kernel
+    assert ptx.count("%globaltimer") + 4 == out["trace"]["ptx"].count("%globaltimer")
+    assert out["plain"]["cubin"] > 0
 
 
 # -- the GPU's side as a stream of its own ----------------------------------------------------

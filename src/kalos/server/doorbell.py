@@ -104,11 +104,13 @@ def _doorbell_kernel(
     seq_ptr,  # [1] int64 on the device: the staged sequence number the scan publishes
     dest_ptr,  # [D] fp32 on the device: the staged query the scan reads
     gate_ptr,  # [1] int32 on the device: the scan's gate
+    trace_ptr,  # with TRACE: [8] int64 on the device, the step times (bench/doorbell_latency.py)
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ESIZE: tl.constexpr,  # bytes of one query value on the wire
     TMAX: tl.constexpr,  # TEMPLATE_BYTES
     GPU: tl.constexpr,  # False under the interpreter: read each word once, plain stores
+    TRACE: tl.constexpr = False,  # GPU only: %globaltimer after each step into trace_ptr
 ):
     armed = tl.load(arm_ptr + 0)  # the channel's last request: wait for a newer one
     if GPU:
@@ -117,14 +119,24 @@ def _doorbell_kernel(
         cancel = _load_sys(ctl_ptr, False)
         start = _clock(cancel.to(tl.int32), 2)
         now = start
+        polls = start * 0
         while (seq == armed) & (cancel == 0) & (now - start < budget):
             seq = _load_sys(req_ptr, True)
             cancel = _load_sys(ctl_ptr, False)
             now = _clock(cancel.to(tl.int32), 2)
+            if TRACE:
+                polls += 1
         op_flags = _load_sys(req_ptr + 1, False)
         body_len = _load_sys(req_ptr + 2, False)
         published = _load_sys(req_ptr + 3, False)
         deadline = _load_sys(req_ptr + 4, False)
+        if TRACE:  # [start, seen, header read, body read, fenced, polls]: each after its data
+            tl.store(trace_ptr + 0, start)
+            tl.store(trace_ptr + 1, _clock(seq.to(tl.int32), 2))
+            tl.store(
+                trace_ptr + 2, _clock((op_flags + body_len + published + deadline).to(tl.int32), 2)
+            )
+            tl.store(trace_ptr + 5, polls)
     else:
         seq = tl.load(req_ptr)
         op_flags = tl.load(req_ptr + 1)
@@ -153,6 +165,8 @@ def _doorbell_kernel(
     dm = d < tl.where(ok, D, 0)
     bad = tl.sum((dm & ~(tl.abs(q) <= 3.4028234663852886e38)).to(tl.int32), axis=0)  # NaN, inf
     ok = ok & (bad == 0)
+    if TRACE:
+        tl.store(trace_ptr + 3, _clock(ok.to(tl.int32), 2))
     tl.store(dest_ptr + d, q, mask=d < tl.where(ok, D, 0))
     tl.store(seq_ptr, seq, mask=ok)
     tl.store(gate_ptr, ok.to(tl.int32))
@@ -168,6 +182,8 @@ def _doorbell_kernel(
     verdict = seq * 4 + code
     if GPU:
         done = _fence_sys(ok.to(tl.int32) * 0 + 1)
+        if TRACE:
+            tl.store(trace_ptr + 4, _clock(done, 2))
         tl.debug_barrier()
         _store_release_sys(ctl_ptr + 1, verdict, done)
     else:
@@ -204,6 +220,7 @@ class ArmedGraph:
             graph.inputs.seq,
             graph.inputs.query[0],  # type: ignore[index]
             door.gate,
+            door.gate,  # the trace pointer: unused (TRACE off)
         )
         dim = graph.index.dim
         self._meta = {
