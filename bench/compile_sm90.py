@@ -41,8 +41,10 @@ def compile_doorbell() -> None:
         k = triton.compile(ASTSource(fn=doorbell._doorbell_kernel, signature=sig,
                                      constexprs=consts),
                            target=TARGET, options={"num_warps": 1})  # fmt: skip
-        print(f"doorbell (trace {trace}): cubin {len(k.asm['cubin'])} bytes, "
-              f"shared {k.metadata.shared}")
+        print(
+            f"doorbell (trace {trace}): cubin {len(k.asm['cubin'])} bytes, "
+            f"shared {k.metadata.shared}"
+        )
 
 
 def compile_scan() -> None:
