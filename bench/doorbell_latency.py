@@ -104,20 +104,25 @@ def main() -> int:
         while time.monotonic_ns() < end:
             pass
 
-    seq = 1
-    samples: dict[str, list[int]] = {"pickup": [], "cancel": [], "launch": []}
-    wrong = 0
-    for i in range(args.reps + 20):
-        # pickup: armed at seq - 1, the request stored after the lead
-        launch(seq - 1)
+    def pickup(seq: int, traced: bool = False) -> tuple[int, bool]:
+        """Armed at seq - 1, request ``seq`` stored after the lead: ns to the verdict seen,
+        and whether it was TAKEN."""
+        launch(seq - 1, traced)
         lead()
         t0 = time.monotonic_ns()
         _native.store_release(req_seq_addr, seq)
         t1 = _spin_until(verdict_addr, 0)
         torch.cuda.synchronize()
-        wrong += int(int(ctl[1]) != seq << 2 | D.TAKEN)
+        return t1 - t0, int(ctl[1]) == seq << 2 | D.TAKEN
+
+    seq = 1
+    samples: dict[str, list[int]] = {"pickup": [], "cancel": [], "launch": []}
+    wrong = 0
+    for i in range(args.reps + 20):
+        took, ok = pickup(seq)
+        wrong += int(not ok)
         if i >= 20:
-            samples["pickup"].append(t1 - t0)
+            samples["pickup"].append(took)
         # cancel: armed at the current sequence, the cancel word after the lead
         launch(seq)
         lead()
@@ -144,12 +149,8 @@ def main() -> int:
             "poll-period": [], "header-read": [], "body-read": [], "stores-fence": []
         }  # fmt: skip
         for i in range(args.reps + 20):
-            launch(seq - 1, traced=True)
-            lead()
-            _native.store_release(req_seq_addr, seq)
-            _spin_until(verdict_addr, 0)
-            torch.cuda.synchronize()
-            wrong += int(int(ctl[1]) != seq << 2 | D.TAKEN)
+            _took, ok = pickup(seq, traced=True)
+            wrong += int(not ok)
             start, seen, header, body, fenced, polls = trace[:6].tolist()
             if i >= 20:
                 steps["poll-period"].append((seen - start) // max(polls, 1))
