@@ -280,6 +280,59 @@ def _tile_upper(
 
 
 @triton.jit
+def _tile_bounds4(
+    codes_ptr,
+    meta_ptr,
+    sq_ptr,
+    qc_ptr,
+    qf_ptr,
+    rows,
+    rmask,
+    cap,
+    qmu,
+    qn,
+    corr,
+    NCH: tl.constexpr,
+    METRIC: tl.constexpr,
+):
+    # -> (lower [1, BLOCK_N], upper [1, BLOCK_N]) fp32 bounds of each row's exact score, from
+    # its 4-bit codes (kernels.codes4): codes [NCH, cap, 32] uint8, byte j of chunk c holds
+    # rotated dimension 64c + j in its low nibble and 64c + 32 + j in its high one, as code + 8;
+    # meta [2, cap] fp32 = (scale, width per unit |q|). The query's int8 operands qc [NCH, 2,
+    # 32, 16] hold its two int8 parts in columns 0 and 1; qf[4 + NCH + c] is chunk c's scale.
+    # score ~ q.mean + scale * (sum_c qs_c (hi_c + lo_c / 256) . nibbles - corr), within
+    # |q| * width of the exact score. Each chunk is its own load: NCH loads of a tile in
+    # flight at once (the loads feed the dots through the nibbles, so Triton's pipeliner
+    # leaves them alone).
+    jj = tl.arange(0, 32)
+    col = tl.arange(0, 16)
+    r64 = rows.to(tl.int64)
+    acc = tl.zeros([rows.shape[0], 16], dtype=tl.float32)
+    for c in tl.static_range(NCH):
+        b = tl.load(codes_ptr + (c * cap + r64)[:, None] * 32 + jj[None, :], mask=rmask[:, None],
+                    other=0)  # fmt: skip
+        lo = (b & 15).to(tl.int8)
+        hi = (b >> 4).to(tl.int8)
+        qo = qc_ptr + (c * 2 * 32 + jj[:, None]) * 16 + col[None, :]
+        d = tl.dot(lo, tl.load(qo), out_dtype=tl.int32)
+        d += tl.dot(hi, tl.load(qo + 32 * 16), out_dtype=tl.int32)
+        qs = tl.load(qf_ptr + 4 + NCH + c)
+        w = tl.where(col == 0, qs, tl.where(col == 1, qs * (1.0 / 256.0), 0.0))
+        acc += d.to(tl.float32) * w[None, :]
+    scale = tl.load(meta_ptr + rows, mask=rmask, other=0.0)
+    width = qn * tl.load(meta_ptr + cap + rows, mask=rmask, other=0.0)
+    est = qmu + scale * (tl.sum(acc, axis=1) - corr)
+    lower = est - width
+    upper = est + width
+    if METRIC == 2:
+        # maximise 2 q.x - |x|^2; |x|^2 a hair off, for the rounding of the subtraction
+        sq = tl.load(sq_ptr + rows, mask=rmask, other=0.0)
+        lower = 2.0 * lower - sq * (1.0 + 2e-6)
+        upper = 2.0 * upper - sq * (1.0 - 2e-6)
+    return lower[None, :], upper[None, :]
+
+
+@triton.jit
 def _scope_mask(scope_ptr, filt_ptr, rows, rmask, cap):
     # scopes: [3, cap] int64 (tenant, user, session rows); filter: [3] int64, 0 = any.
     # A field whose filter is 0 is not read at all (its load is masked off).
@@ -405,6 +458,10 @@ def _scan_topk_kernel(
     pub_ptr,  # PUBLISH: [1] int64 in registered host memory, the channel's response sequence
     gate_ptr,  # GATED: [1] int32 on the device; 0: this launch does nothing (server.doorbell)
     trace_ptr,  # TRACE: [P + 1, 8] int64, where the time goes (see scan_topk's trace)
+    up_ptr,  # CODES 4: upper [cap] fp32, each row's score upper bound (written)
+    qc_ptr,  # CODES 4: the rotated query's int8 operands [NCH, 2, 32, 16] (kernels.codes4)
+    qf_ptr,  # CODES 4: the rotated query's fp32 terms (kernels.codes4.QF_*)
+    rows_ptr,  # CANDS: the candidate rows [cap] int32; n_ptr then holds their count
     RSTRIDE,  # rows between two replicas of thr and slots (replica r of query q: r * RSTRIDE + q)
     nq,
     k,  # the rows kept per query: the final k, or the prefilter's candidates (CODES)
@@ -440,6 +497,8 @@ def _scan_topk_kernel(
     GATED: tl.constexpr,  # read gate first: 0 there scans no row and writes no result
     TRACE: tl.constexpr,  # 0 off; 1 counts only (the interpreter); 2 counts and GPU clocks
     REPL: tl.constexpr,  # replicas of the bounds (ScanConfig.bound_replicas)
+    NCH: tl.constexpr = 1,  # CODES 4: 64-dimension chunks of the rotated rows
+    CANDS: tl.constexpr = 0,  # 1: score the rows listed at rows_ptr (the 4-bit cascade's last pass)
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -459,7 +518,14 @@ def _scan_topk_kernel(
     q = _load_queries(q_ptr, stride_q, nq, D, BLOCK_D, BLOCK_Q, METRIC)  # [BLOCK_Q, BLOCK_D]
     qT = tl.trans(q.to(db_ptr.dtype.element_ty))  # [BLOCK_D, BLOCK_Q] (dot operand)
     qv = tl.sum(tl.where(tl.arange(0, BLOCK_Q)[:, None] == 0, q, 0.0), axis=0)  # [BLOCK_D]
-    if CODES != 0:  # nq == 1: the query's norm, and its int8 form for the int8 dot
+    if CODES == 4:  # nq == 1: the rotated query's terms, staged by codes4's prep kernel
+        q_scale = tl.load(qf_ptr)  # q . mean
+        qn = tl.load(qf_ptr + 1)
+        rq = qn * 0.0  # the nibbles' offset, summed over the chunks
+        for c in tl.static_range(NCH):
+            rq += tl.load(qf_ptr + 4 + c)
+        qT8 = qT
+    elif CODES != 0:  # nq == 1: the query's norm, and its int8 form for the int8 dot
         qn = tl.sqrt(tl.sum(qv * qv, axis=0)) * (1.0 + 1e-5)
         amax = tl.max(tl.abs(qv), axis=0)
         q_scale = tl.where(amax > 0, amax / 127.0, 1.0)
@@ -490,7 +556,14 @@ def _scan_topk_kernel(
     for t in tl.range(pid, n_tiles, P, num_stages=NUM_STAGES):
         rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < n
-        if CODES != 0:
+        if CANDS:  # the tile's rows are the next entries of the candidate list
+            rows = tl.load(rows_ptr + rows, mask=rmask, other=0)
+        if CODES == 4:
+            s, up = _tile_bounds4(
+                codes_ptr, meta_ptr, sq_ptr, qc_ptr, qf_ptr, rows, rmask, cap, q_scale, qn, rq,
+                NCH, METRIC,
+            )  # fmt: skip
+        elif CODES != 0:
             s = _tile_upper(
                 codes_ptr, meta_ptr, sq_ptr, rows, rmask, cap, qv, qT8, q_scale, qn, rq,
                 D, BLOCK_D, BLOCK_Q, CODES, METRIC,
@@ -516,6 +589,9 @@ def _scan_topk_kernel(
             valid = _scope_mask(scope_ptr, filt_ptr, rows, rmask, cap)
         else:
             valid = rmask
+        if CODES == 4:  # every row's upper bound, for the emit pass (-inf: filtered out)
+            tl.store(up_ptr + rows, tl.where(valid, tl.reshape(up, [BLOCK_N]), float("-inf")),
+                     mask=rmask)  # fmt: skip
         keys = _keys_from_scores(s, rows[None, :], valid[None, :] & qs_ok[:, None])
         if SKIP:
             tmax = tl.max(keys, axis=1)  # [BQS]
@@ -601,6 +677,13 @@ def _scan_topk_kernel(
                         out_ids_ptr, P * KP, k, stride_q, stride_os, stride_oi, D, BLOCK_D, KP,
                         SURV, CHUNK, METRIC, True, True, RSTRIDE, REPL,
                     )  # fmt: skip
+                    if CANDS:  # every candidate scored exactly: the result is exact
+                        tl.store(status_ptr, 1)
+                        tl.store(status_ptr + 1, n)  # the candidates, for the books
+                        if PUBLISH != 0:
+                            _publish_seq(seq_ptr, pub_ptr, go, PUBLISH)
+            if CANDS:  # every program read the count at its start: reset it for the next search
+                tl.store(n_ptr, 0)
             tl.store(ticket_ptr, 0)
             if TRACE != 0:
                 tl.store(trace_ptr + P * 8 + 3, pid)  # the last program
@@ -1170,6 +1253,8 @@ def scan_topk(
     publish: tuple | None = None,
     gate: Any = None,
     trace: Any = None,
+    bounds4: tuple | None = None,
+    cands: tuple | None = None,
 ) -> bool:
     """Launch the fused scan.
 
@@ -1214,10 +1299,30 @@ def scan_topk(
     candidates that passed the final bound (prefilter), 5 the survivors compacted, 6 their
     top-k sorted (5 and 6: the selection's own steps, prefilter).
     Times are the GPU's global clock in ns (0 under the interpreter, which fills the counts).
+
+    bounds4: (codes [NCH, cap, 32] uint8, meta [2, cap] fp32, upper [cap] fp32, qc, qf), the
+    4-bit cascade's first pass (:mod:`kalos.index.kernels.codes4`): the scan reads the codes,
+    writes every row's score upper bound into ``upper`` and raises the bounds in ``state``
+    with the rows' lower bounds (the lists are of lower bounds); no ``final``, one query.
+
+    cands: (rows [cap] int32, status [1] int32), the cascade's last pass: ``n_dev`` holds the
+    count of candidate rows listed in ``rows``; the scan scores those exactly, its last
+    program writes the top-k (``final``), sets status to 1, publishes (``publish``) and resets
+    the count to 0.
     """
     nq, dim = q.shape
     kf = k
-    if prefilter is not None:
+    up = qc = qf = rows = db
+    nch = 1
+    if bounds4 is not None:
+        if final is not None or nq != 1 or prefilter is not None:
+            raise ValueError("the 4-bit bounds pass runs unfused, for one query")
+        codes, meta, up, qc, qf = bounds4
+        nch = codes.shape[0]
+        status = db
+        codes_mode = 4
+        kp = key_width(k)
+    elif prefilter is not None:
         if final is None or nq != 1 or not cfg.fused:
             raise ValueError("the int8 prefilter runs fused, for one query")
         codes, meta, status, codes_mode, k, lists = prefilter
@@ -1226,11 +1331,15 @@ def scan_topk(
         codes = meta = status = db
         codes_mode = 0
         kp = key_width(k)
+    if cands is not None:
+        if final is None or nq != 1 or not cfg.fused or prefilter is not None:
+            raise ValueError("the candidates' pass runs fused, for one query")
+        rows, status = cands
     mode = _skip_mode()
     if publish is None:
         seq = dest = db
         publish_mode = 0
-    elif prefilter is None or mode == "off":
+    elif (prefilter is None and cands is None) or mode == "off":
         raise ValueError("publish needs the prefilter, on an NVIDIA GPU or the interpreter")
     else:
         seq, dest = publish
@@ -1276,6 +1385,10 @@ def scan_topk(
         dest,
         db if gate is None else gate,
         db if trace is None else trace,
+        up,
+        qc,
+        qf,
+        rows,
         thr.shape[0] // replicas,
         nq,
         k,
@@ -1311,6 +1424,8 @@ def scan_topk(
         GATED=gate is not None,
         TRACE=0 if trace is None else 2 if mode == "ptx" else 1,
         REPL=replicas,
+        NCH=nch,
+        CANDS=int(cands is not None),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
