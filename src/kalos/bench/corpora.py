@@ -179,6 +179,20 @@ def load(
     return Corpus(name, db, q, info)
 
 
+def parse_set(text: str) -> tuple[str, int, int | None]:
+    """``CORPUS:N[xDIM]`` (a benchmark's parameter set, e.g. ``clustered:10000000x128``) as
+    (name, n, dim or None). Raises ConfigError (a ValueError: argparse reports it)."""
+    name, _, size = text.partition(":")
+    n_text, _, dim_text = size.lower().partition("x")
+    try:
+        n, dim = int(n_text), int(dim_text) if dim_text else None
+    except ValueError:
+        raise ConfigError(f"{text!r} is not CORPUS:N[xDIM], e.g. clustered:1000000x768") from None
+    if name not in NAMES:
+        raise ConfigError(f"{text!r}: unknown corpus {name!r}, one of {', '.join(NAMES)}")
+    return name, n, dim
+
+
 # -- harvest -------------------------------------------------------------------------------------
 
 
