@@ -470,6 +470,8 @@ def _minilm(model: str | None) -> tuple[Embed, str]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
         import torch
         from sentence_transformers import SentenceTransformer
@@ -702,3 +704,29 @@ def _uniform(n: int, dim: int, nq: int, seed: int) -> tuple[np.ndarray, np.ndarr
     q = _unit32(np.random.default_rng([seed, dim, 5]).standard_normal((nq, dim), np.float32))
     return out, q, {"source": "i.i.d. standard normal, normalised",
                     "build_s": round(time.perf_counter() - t0, 2)}  # fmt: skip
+
+
+# -- python -m kalos.bench.corpora: build (or check) corpora ahead of a benchmark ----------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kalos.bench.corpora real-384:1000000 --queries 2000``: builds (or loads from
+    the cache) each set and prints its record; what a benchmark run then finds cached."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m kalos.bench.corpora", description=main.__doc__)
+    p.add_argument("sets", nargs="+", type=parse_set, help="CORPUS:N[xDIM]")
+    p.add_argument("--queries", type=int, default=1000, help="held-out queries (search-gpu: 2000)")
+    p.add_argument("--seed", type=int, default=SEED)
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--model", default=None, help="a sentence-transformers model directory")
+    args = p.parse_args(argv)
+    for name, n, dim in args.sets:
+        c = load(name, n, dim, queries=args.queries, seed=args.seed, cache_dir=args.cache_dir,
+                 model=args.model)  # fmt: skip
+        print(json.dumps(c.info, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
