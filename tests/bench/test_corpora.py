@@ -178,3 +178,20 @@ def test_uniform_and_the_argument_checks():
         corpora.load("clustered", 10, 32)
     with pytest.raises(ConfigError, match="384-d"):
         corpora.load("real-384", 10, 128)
+
+
+def test_benchmark_sets_parse():
+    from kalos.cli import build_parser
+
+    assert corpora.parse_set("clustered:10000000x128") == ("clustered", 10_000_000, 128)
+    assert corpora.parse_set("real-384:1000000") == ("real-384", 1_000_000, None)
+    with pytest.raises(ConfigError, match="not CORPUS"):
+        corpora.parse_set("clustered:many")
+    with pytest.raises(ConfigError, match="unknown corpus"):
+        corpora.parse_set("random:1000x8")
+    args = build_parser().parse_args(["bench", "search-gpu"])
+    assert [name for name, _, _ in args.sets] == ["real-384", "real-128", "clustered",
+                                                  "clustered", "uniform"]  # fmt: skip
+    args = build_parser().parse_args(["bench", "search-gpu", "--sets", "uniform:1000x64"])
+    assert args.sets == [("uniform", 1000, 64)]
+    assert build_parser().parse_args(["bench", "search-cpu"]).corpus == "real-384"

@@ -11,7 +11,8 @@ benchmark stores it in its result's params). Names (BENCHMARKS.md, "Corpora"):
     root is skipped and recorded):
 
     1. the running interpreter's standard library (``sysconfig`` "stdlib"),
-    2. its site-packages (``sysconfig`` "purelib", then "platlib" where it differs),
+    2. its site-packages (``sysconfig`` "purelib", then "platlib" where it differs; folders
+       named site-packages or dist-packages below a root are skipped),
     3. ``/usr/share/doc``, 4. ``/usr/include``.
 
     (Manual pages are left out: their troff markup is not text.)
@@ -84,6 +85,7 @@ SUFFIXES = (".py", ".pyi", ".rst", ".txt", ".md", ".h", ".c", ".cc", ".cpp", ".h
 # documentation files without a suffix (or with a non-text one), as Debian packages ship them
 DOC_NAMES = ("README", "NEWS", "AUTHORS", "THANKS", "TODO", "CHANGES", "HISTORY",
              "changelog", "changelog.Debian", "copyright")  # fmt: skip
+SKIP_DIRS = ("site-packages", "dist-packages", "__pycache__")
 MIN_WORDS = 5
 MIN_CHARS = 20
 MAX_CHARS = 400
@@ -289,10 +291,13 @@ def _hash_key(seed: int) -> bytes:
 
 
 def _text_files(root: str, skip: set[str]) -> Iterator[str]:
-    """The harvest's files under ``root``, not descending into ``skip`` (the other roots: a
-    site-packages inside the standard library's folder is its own root)."""
+    """The harvest's files under ``root``, not descending into ``skip`` (the other roots) nor
+    into other installs' package folders (:data:`SKIP_DIRS`: a site-packages inside the
+    standard library's folder is not the standard library)."""
     for folder, dirs, files in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if os.path.join(folder, d) not in skip)
+        dirs[:] = sorted(
+            d for d in dirs if d not in SKIP_DIRS and os.path.join(folder, d) not in skip
+        )
         for f in sorted(files):
             base = f[:-3] if f.endswith(".gz") else f
             if base.endswith(SUFFIXES) or base in DOC_NAMES:
@@ -341,6 +346,7 @@ def _cache_root(cache_dir: str | os.PathLike[str] | None) -> Path:
 def _recipe(seed: int, roots: Sequence[str], embedder: str) -> dict[str, Any]:
     return {"version": RECIPE_VERSION, "model": embedder, "seed": seed, "roots": list(roots),
             "suffixes": list(SUFFIXES), "doc_names": list(DOC_NAMES),
+            "skip_dirs": list(SKIP_DIRS),
             "filters": {"min_words": MIN_WORDS, "min_chars": MIN_CHARS, "max_chars": MAX_CHARS,
                         "max_file_bytes": MAX_FILE_BYTES, "dedup": "exact",
                         "order": "keyed blake2b-128 of the line"}}  # fmt: skip
