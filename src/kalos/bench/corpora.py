@@ -161,7 +161,7 @@ def load(
         if name == "real-384":
             emb = np.load(build.path / "embeddings.npy", mmap_mode="r")
             q, db = _unit32(emb[:queries]), _unit32(emb[queries : queries + n])
-            info = build.info(queries, n)
+            info = build.info()
         else:
             q, db, info = _real_128(build, queries, n, cache, progress)
     else:
@@ -329,12 +329,21 @@ class _Build:
     manifest: dict[str, Any]
     cached: bool
 
-    def info(self, queries: int, n: int) -> dict[str, Any]:
+    def info(self) -> dict[str, Any]:
+        """The build's record for a corpus's ``info``: its recipe, the roots it read (with
+        their counts), where it lives, whether it was cached."""
         m = self.manifest
-        return {"source": "text lines embedded with " + m["recipe"]["model"], **m["recipe"],
-                "harvest": m["harvest"], "build_rows": m["rows"], "build_s": m["build_s"],
-                "cache": str(self.path), "cached": self.cached,
-                "lines_sha256": m["lines_sha256"]}  # fmt: skip
+        return {
+            "source": "text lines embedded with " + m["recipe"]["model"],
+            **m["recipe"],
+            "roots": [c["root"] for c in m["harvest"]["roots"]],
+            "harvest": m["harvest"],
+            "build_rows": m["rows"],
+            "build_s": m["build_s"],
+            "cache": str(self.path),
+            "cached": self.cached,
+            "lines_sha256": m["lines_sha256"],
+        }
 
 
 def _cache_root(cache_dir: str | os.PathLike[str] | None) -> Path:
@@ -343,8 +352,11 @@ def _cache_root(cache_dir: str | os.PathLike[str] | None) -> Path:
     return Path(cache_dir)
 
 
-def _recipe(seed: int, roots: Sequence[str], embedder: str) -> dict[str, Any]:
-    return {"version": RECIPE_VERSION, "model": embedder, "seed": seed, "roots": list(roots),
+def _recipe(seed: int, roots: Sequence[str] | None, embedder: str) -> dict[str, Any]:
+    """What a real-384 build depends on, its cache key. The default roots enter by name, not
+    by path: a build made on another machine (a GPU's) serves this one when copied over."""
+    spec: Any = "default" if roots is None else [str(r) for r in roots]
+    return {"version": RECIPE_VERSION, "model": embedder, "seed": seed, "roots": spec,
             "suffixes": list(SUFFIXES), "doc_names": list(DOC_NAMES),
             "skip_dirs": list(SKIP_DIRS),
             "filters": {"min_words": MIN_WORDS, "min_chars": MIN_CHARS, "max_chars": MAX_CHARS,
@@ -374,9 +386,9 @@ def _real_build(
     progress: bool,
 ) -> _Build:
     """A real-384 build with at least ``rows`` rows: cached, or made now (and cached)."""
-    roots = tuple(str(r) for r in (default_roots() if roots is None else roots))
     embedder = MODEL if embed is None else f"custom:{getattr(embed, '__qualname__', 'embed')}"
     recipe = _recipe(seed, roots, embedder)
+    roots = tuple(str(r) for r in (default_roots() if roots is None else roots))
     key = hashlib.blake2b(json.dumps(recipe, sort_keys=True).encode(), digest_size=6).hexdigest()
     builds = _builds(cache, key)
     for b in builds:
@@ -587,7 +599,7 @@ def _real_128(
         _publish(path, manifest, write)
     manifest = json.loads((path / "manifest.json").read_text())
     emb128 = np.load(path / "embeddings.npy", mmap_mode="r")
-    info = build.info(queries, n)
+    info = build.info()
     info.update(source=f"real-384 on its top {PROJECTED_DIM} principal directions, mean kept",
                 projection_cache=str(path), explained_variance=manifest["explained_variance"],
                 projection_s=manifest["build_s"])  # fmt: skip
