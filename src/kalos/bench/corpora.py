@@ -68,10 +68,12 @@ import sysconfig
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from kalos.errors import ConfigError
 
@@ -102,7 +104,7 @@ ROWS_PER_CLUSTER = 1000
 DUPLICATES = 0.05
 DUPLICATE_NOISE = (0.01, 0.1)
 QUERY_NOISE = (0.2, 0.6)
-CHUNK_BYTES = 256 << 20
+CHUNK_BYTES = 64 << 20
 
 Embed = Callable[[Sequence[str]], np.ndarray]
 
@@ -619,22 +621,29 @@ def _clustered(
     out = np.empty((n, dim), np.float32)
     block = max(1024, CHUNK_BYTES // (4 * dim))
     rotate, device = _rotator(model.rotation)
-    with Progress(n, "clustered", quiet=not progress) as bar:
-        for i, lo in enumerate(range(0, n, block)):
-            hi = min(lo + block, n)
-            rng = np.random.default_rng([seed, dim, 2, i])
-            x = model.draw(rng, hi - lo)
-            # near-duplicates: a row of this chunk plus 1-10% noise, 5% of rows
-            dup = round((hi - lo) * DUPLICATES)
-            if dup and hi - lo > 1:
-                dst = rng.choice(hi - lo, dup, replace=False)
-                src = (dst + 1 + rng.integers(0, hi - lo - 1, dup)) % (hi - lo)
-                eps = rng.uniform(*DUPLICATE_NOISE, dup).astype(np.float32)
-                base = x[src]
-                scale = eps * np.linalg.norm(base, axis=1) / np.sqrt(dim)
-                x[dst] = base + rng.standard_normal((dup, dim), np.float32) * scale[:, None]
-            out[lo:hi] = rotate(x)
-            bar.update(hi - lo)
+
+    def chunk(i: int) -> None:
+        # its own seeded stream: the rows do not depend on which thread draws them
+        lo, hi = i * block, min((i + 1) * block, n)
+        rng = np.random.default_rng([seed, dim, 2, i])
+        x = model.draw(rng, hi - lo)
+        # near-duplicates: a row of this chunk plus 1-10% noise, 5% of rows
+        dup = round((hi - lo) * DUPLICATES)
+        if dup and hi - lo > 1:
+            dst = rng.choice(hi - lo, dup, replace=False)
+            src = (dst + 1 + rng.integers(0, hi - lo - 1, dup)) % (hi - lo)
+            eps = rng.uniform(*DUPLICATE_NOISE, dup).astype(np.float32)
+            base = x[src]
+            scale = eps * np.linalg.norm(base, axis=1) / np.sqrt(dim)
+            x[dst] = base + rng.standard_normal((dup, dim), np.float32) * scale[:, None]
+        out[lo:hi] = rotate(x)
+        bar.update(hi - lo)
+
+    # numpy's draws and arithmetic release the GIL: chunks on threads, one BLAS thread each
+    workers = max(1, min(8, len(os.sched_getaffinity(0))))
+    with Progress(n, "clustered", quiet=not progress) as bar, threadpool_limits(limits=1), \
+            ThreadPoolExecutor(workers) as pool:  # fmt: skip
+        list(pool.map(chunk, range(-(-n // block))))
     # queries: half a corpus row plus 20-60% noise, half fresh draws from the clusters
     rng = np.random.default_rng([seed, dim, 3])
     near = nq // 2
