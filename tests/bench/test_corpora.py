@@ -56,7 +56,7 @@ def test_text_lines_filters_and_collapses():
     ]
 
 
-def test_harvest_dedups_filters_and_orders_by_the_seed(text_root):
+def test_harvest_dedups_filters_and_orders_by_the_seed(text_root, monkeypatch):
     root, good = text_root
     h = corpora.harvest(1000, seed=3, roots=[str(root)], progress=False)
     assert sorted(h.lines) == sorted(good) and h.distinct == 300
@@ -65,9 +65,11 @@ def test_harvest_dedups_filters_and_orders_by_the_seed(text_root):
     assert again.lines == h.lines
     other = corpora.harvest(1000, seed=4, roots=[str(root)], progress=False)
     assert other.lines != h.lines and sorted(other.lines) == sorted(h.lines)
+    assert h.exact
     # a smaller harvest is the prefix of a larger one, even when it had to prune
+    monkeypatch.setattr(corpora, "PRUNE_SLACK", 0)
     small = corpora.harvest(40, seed=3, roots=[str(root)], progress=False)
-    assert small.lines == h.lines[:40]
+    assert small.lines == h.lines[:40] and not small.exact and small.distinct >= 40
     missing = corpora.harvest(10, roots=[str(root / "nowhere")], progress=False)
     assert missing.lines == [] and missing.roots[0]["missing"]
 

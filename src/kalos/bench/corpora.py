@@ -64,6 +64,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import sysconfig
 import tempfile
 import time
@@ -92,6 +93,7 @@ MIN_WORDS = 5
 MIN_CHARS = 20
 MAX_CHARS = 400
 MAX_FILE_BYTES = 8 << 20
+PRUNE_SLACK = 1024  # the harvest holds at most 2 x need + this many lines
 RECIPE_VERSION = 1  # bump when the harvest or the embedding changes: old caches are not reused
 
 # clustered: the model's constants (see the module docstring)
@@ -203,13 +205,14 @@ def parse_set(text: str) -> tuple[str, int, int | None]:
 @dataclasses.dataclass
 class Harvest:
     """What :func:`harvest` found: ``lines`` (at most ``need``, in corpus order) and counts per
-    root: files read, qualifying lines (with duplicates). ``distinct`` is exact when fewer than
-    ``need`` lines were kept, else a lower bound."""
+    root: files read, qualifying lines (with duplicates). ``distinct`` is the count of distinct
+    lines when ``exact``, else a lower bound (the harvest stopped keeping lines past ``need``)."""
 
     lines: list[str]
     roots: list[dict[str, Any]]
     distinct: int
     seconds: float
+    exact: bool = True
 
 
 def default_roots() -> tuple[str, ...]:
@@ -273,7 +276,7 @@ def harvest(
                 if bound is not None and digest > bound:
                     continue
                 best[digest] = line
-            if len(best) >= 2 * need + 1024:
+            if len(best) >= 2 * need + PRUNE_SLACK:
                 keep = sorted(best)[:need]
                 best = {d: best[d] for d in keep}
                 bound, pruned = keep[-1], True
@@ -284,8 +287,7 @@ def harvest(
     order = sorted(best)
     distinct = len(order)
     lines = [best[d] for d in order[:need]]
-    return Harvest(lines, counts, distinct if not pruned else max(distinct, need),
-                   time.perf_counter() - t0)  # fmt: skip
+    return Harvest(lines, counts, distinct, time.perf_counter() - t0, exact=not pruned)
 
 
 def _hash_key(seed: int) -> bytes:
@@ -419,6 +421,11 @@ def _real_build(
             prev = np.load(last.path / "embeddings.npy", mmap_mode="r")
             reuse = len(old)
     embed_fn, source = (embed, "injected") if embed is not None else _minilm(model)
+    if progress:  # a long wait: say what it is (the bar shows only on a terminal)
+        print(f"real-384: embedding {rows - reuse:,} lines with {source} "
+              f"(of {h.distinct:,}{'' if h.exact else '+'} distinct, harvested in "
+              f"{h.seconds:.0f} s); cached in {cache}",
+              file=sys.stderr)  # fmt: skip
     emb = np.empty((rows, REAL_DIM), np.float16)
     if prev is not None:
         emb[:reuse] = prev[:reuse]
@@ -431,6 +438,7 @@ def _real_build(
         "harvest": {
             "roots": h.roots,
             "distinct_lines": h.distinct,
+            "distinct_exact": h.exact,
             "harvest_s": round(h.seconds, 2),
         },
         "reused_rows": reuse,
