@@ -100,6 +100,18 @@ def test_recall_bench(tmp_path):
     )
 
 
+def test_search_cpu_bench_on_a_corpus(tmp_path):
+    rc, result = _bench(
+        tmp_path, "search-cpu", "--corpus", "clustered", "--n", "2000", "--dim", "64",
+        "--queries", "200", "--concurrency", "1", "2",
+    )  # fmt: skip
+    assert rc == 0 and result["checks"]["wrong_results"] == 0
+    params = result["params"]
+    assert (params["corpus"], params["n"], params["dim"]) == ("clustered", 2000, 64)
+    assert params["corpus_info"]["clusters"] == 8
+    assert {r["system"] for r in result["rows"]} == {"kalos-shm", "inprocess-cpu:flat"}
+
+
 def _recall_args(**kw: object) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     recall.add_arguments(p)

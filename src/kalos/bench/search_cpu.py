@@ -1,7 +1,8 @@
-"""search-cpu: 100K x 128 float32 exact top-10 through the sidecar vs the same search in-process.
+"""search-cpu: exact top-10 through the sidecar vs the same search in-process (real-384 100K).
 
-Both sides run the same index backend on the same vectors and queries; kalos is timed end to
-end through the client (shm), the baseline as a direct call in this process. 1 and 8
+The vectors and queries come from a corpus (``--corpus``, :mod:`kalos.bench.corpora`; default
+``real-384``, 100K rows, float32). Both sides run the same index backend on them; kalos is timed
+end to end through the client (shm), the baseline as a direct call in this process. 1 and 8
 concurrent clients (threads); the kalos results are checked against the in-process ones.
 """
 
@@ -15,6 +16,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from kalos import index as kindex
+from kalos.bench import corpora
 from kalos.bench.common import print_table, summarize, write_result
 from kalos.bench.plots import plot_result
 from kalos.testing import isolated_sidecar
@@ -23,13 +25,18 @@ SCENARIO = "search-cpu"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--corpus", choices=corpora.NAMES, default="real-384")
     p.add_argument("--n", type=int, default=100_000)
-    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--dim", type=int, default=None,
+                   help="implied for real-384 and real-128; 128 for the others")  # fmt: skip
     p.add_argument("--k", type=int, default=10)
     p.add_argument("--queries", type=int, default=2_000, help="timed searches per client")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     p.add_argument("--index", default="cpu:flat")
-    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--seed", type=int, default=corpora.SEED, help="the corpus's seed")
+    p.add_argument("--corpus-dir", default=None,
+                   help="the corpora's cache (default $KALOS_CORPUS_DIR or "
+                        "~/.cache/kalos/corpora)")  # fmt: skip
 
 
 def _run_threads(fn, threads: int, per_thread: int) -> tuple[np.ndarray, float]:
@@ -58,18 +65,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    rng = np.random.default_rng(args.seed)
-    base = rng.standard_normal((args.n, args.dim), dtype=np.float32)
-    queries = rng.standard_normal((args.queries, args.dim), dtype=np.float32)
+    dim = args.dim
+    if dim is None and args.corpus in ("clustered", "uniform"):
+        dim = 128
+    corpus = corpora.load(args.corpus, args.n, dim, queries=args.queries, seed=args.seed,
+                          cache_dir=args.corpus_dir, progress=not args.quiet)  # fmt: skip
+    base, queries, dim = corpus.db, corpus.queries, corpus.dim
     ids = np.arange(args.n, dtype=np.int64) * 7 + 3
-    local = kindex.create(args.index, dim=args.dim, metric="ip")
+    local = kindex.create(args.index, dim=dim, metric="ip")
     local.add(base, ids)
     index_lock = threading.Lock()
     rows = []
     samples: dict[str, dict[str, np.ndarray]] = {}  # for the plot: level → system → ns
     mismatches = 0
     with isolated_sidecar(
-        dim=args.dim, name="bench-search-cpu", extra_args=("--index", args.index)
+        dim=dim, name="bench-search-cpu", extra_args=("--index", args.index)
     ) as sidecar:
         loader = sidecar.connect(arena_bytes=16 << 20)
         loader.add(base, ids)
@@ -132,17 +142,24 @@ def _run(args: argparse.Namespace) -> int:
     )
     print(f"result mismatches against in-process: {mismatches} of 200")
     params = {
+        "corpus": corpus.name,
         "n": args.n,
-        "dim": args.dim,
+        "dim": dim,
         "dtype": "float32",
         "k": args.k,
         "index": args.index,
         "queries": args.queries,
         "compute_threads": 1,
+        "corpus_info": corpus.info,
     }
-    path = write_result(SCENARIO, args.machine, params, rows, args.out, mismatches=mismatches)
+    checks = {"wrong_results": mismatches}
+    path = write_result(
+        SCENARIO, args.machine, params, rows, args.out, mismatches=mismatches, checks=checks
+    )
     print(f"wrote {path}")
-    png = plot_result(path, samples, title=f"search-cpu: {args.n:,} x {args.dim}, top-{args.k}")
+    png = plot_result(
+        path, samples, title=f"search-cpu: {corpus.name} {args.n:,} x {dim}, top-{args.k}"
+    )
     if png:
         print(f"wrote {png}")
     return 1 if mismatches else 0

@@ -1,6 +1,8 @@
 """search-gpu: exact top-10 on a GPU sidecar, end to end, beside the kernel and torch in-process.
 
-For each size (100K, 1M, 10M x 128 and 1M x 768, fp16, batch 1) in one run:
+For each corpus set (``--sets``, :mod:`kalos.bench.corpora`: ``real-384`` 1M, ``real-128`` 1M,
+``clustered`` 1M x 768 and 10M x 128, ``uniform`` 1M x 128; fp16, batch 1, the corpus's held-out
+queries) in one run:
 
 - ``kalos-shm``: a client's ``search`` through a ``--device cuda`` sidecar, host results
   (where the int8 prefilter runs, the GPU picks each search up itself: ``server.doorbell``);
@@ -31,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from kalos.bench import corpora
 from kalos.bench.common import (
     add_affinity_argument,
     cpu_split,
@@ -41,15 +44,22 @@ from kalos.bench.common import (
 from kalos.testing import isolated_sidecar
 
 SCENARIO = "search-gpu"
-SIZES = ((100_000, 128), (1_000_000, 128), (1_000_000, 768), (10_000_000, 128))
+SETS = ("real-384:1000000", "real-128:1000000", "clustered:1000000x768",
+        "clustered:10000000x128", "uniform:1000000x128")  # fmt: skip
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sizes", nargs="+", default=[f"{n}x{d}" for n, d in SIZES],
-                   help="NxDIM, e.g. 1000000x128")  # fmt: skip
+    p.add_argument("--sets", nargs="+", type=corpora.parse_set,
+                   default=[corpora.parse_set(s) for s in SETS],
+                   help="CORPUS:N[xDIM] (the dim is implied for real-384 and real-128), e.g. "
+                        "clustered:1000000x768; corpora: " + ", ".join(corpora.NAMES))  # fmt: skip
     p.add_argument("--k", type=int, default=10)
-    p.add_argument("--queries", type=int, default=2000, help="timed recalls per system")
-    p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--queries", type=int, default=2000,
+                   help="timed recalls per system (the corpus's held-out queries)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=corpora.SEED, help="the corpora's seed")
+    p.add_argument("--corpus-dir", default=None,
+                   help="the corpora's cache (default $KALOS_CORPUS_DIR or "
+                        "~/.cache/kalos/corpora)")  # fmt: skip
     p.add_argument("--profile", action="store_true", help="count copies in a profiler trace")
     p.add_argument("--spin-us", type=float, default=1000.0,
                    help="the timed client's spin_us (kalos.connect's default against a GPU "
@@ -135,17 +145,19 @@ def _host_times(fn: Any, n: int) -> tuple[np.ndarray, float]:
     return out, time.perf_counter() - t0
 
 
-def _run_size(args: argparse.Namespace, torch: Any, n: int, dim: int, bw: float) -> dict:
+def _run_size(args: argparse.Namespace, torch: Any, corpus: corpora.Corpus, bw: float) -> dict:
     from kalos.index.cuda_flat import CudaFlatIndex
     from kalos.server.gpu_search import GpuSearch
 
     k = args.k
-    gen = torch.Generator(device="cuda").manual_seed(args.seed + n + dim)
-    db = torch.randn((n, dim), generator=gen, device="cuda", dtype=torch.float32).half()
+    n, dim = corpus.n, corpus.dim
+    db = torch.empty((n, dim), device="cuda", dtype=torch.float16)  # [n, dim] fp16
+    step = 1 << 20
+    for lo in range(0, n, step):
+        db[lo : lo + step] = torch.from_numpy(corpus.db[lo : lo + step]).cuda()
     ids = np.arange(n, dtype=np.int64) * 3 + 1
     ids_t = torch.from_numpy(ids).cuda()
-    rng = np.random.default_rng(args.seed)
-    queries = rng.standard_normal((args.queries, dim), dtype=np.float32)
+    queries = corpus.queries  # [args.queries, dim] float32 unit rows, held out of the corpus
     q_gpu = torch.from_numpy(queries).cuda()
     rows: list[dict[str, Any]] = []
 
@@ -300,10 +312,10 @@ def _run_size(args: argparse.Namespace, torch: Any, n: int, dim: int, bw: float)
         ),
         "wrong_results": wrong,
     }
-    return {"params": {"n": n, "dim": dim, "dtype": "float16", "k": k, "batch": 1,
-                       "client_spin_us": args.spin_us},
-            "rows": rows, "summary": summary, "stage_median_us": stages,
-            "affinity": affinity}  # fmt: skip
+    return {"params": {"corpus": corpus.name, "n": n, "dim": dim, "dtype": "float16", "k": k,
+                       "batch": 1, "client_spin_us": args.spin_us, "corpus_info": corpus.info},
+            "rows": rows, "summary": summary, "checks": {"wrong_results": wrong},
+            "stage_median_us": stages, "affinity": affinity}  # fmt: skip
 
 
 def _stage_medians(timings: list[Any]) -> dict[str, Any]:
@@ -401,12 +413,18 @@ def run(args: argparse.Namespace) -> int:
         "sets": [],
     }
     path = ""
-    for size in args.sizes:
-        n, dim = (int(x) for x in size.lower().split("x"))
-        r = _run_size(args, torch, n, dim, bw)
+    for name, n, dim in args.sets:
+        corpus = corpora.load(name, n, dim, queries=args.queries, seed=args.seed,
+                              cache_dir=args.corpus_dir, progress=not args.quiet)  # fmt: skip
+        print(f"\n{name} {corpus.n:,} x {corpus.dim}: loaded in {corpus.info['load_s']} s")
+        torch.cuda.empty_cache()  # what the corpus's build held (the embedding model)
+        r = _run_size(args, torch, corpus, bw)
+        del corpus
         torch.cuda.empty_cache()
         extra["sets"].append(r)
-        print(f"\n{n:,} x {dim} fp16, top-{args.k}, batch 1")
+        wrong = sum(s["checks"]["wrong_results"] for s in extra["sets"])
+        extra["checks"] = {"wrong_results": wrong}
+        print(f"{name} {n:,} x {r['params']['dim']} fp16, top-{args.k}, batch 1")
         print_table(r["rows"])
         print(r["summary"])
         print("stage medians:", r["stage_median_us"])
