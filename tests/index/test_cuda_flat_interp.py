@@ -29,9 +29,9 @@ from kalos.index.cuda_flat import parse_spec
 
 
 def test_parse_spec():
-    assert parse_spec("cuda:flat,fp16") == ("cuda", "fp16", "int8")
-    assert parse_spec("cuda:flat") == ("cuda", "fp16", "int8")
-    assert parse_spec("cuda:1:flat,bf16") == ("cuda:1", "bf16", "int8")
+    assert parse_spec("cuda:flat,fp16") == ("cuda", "fp16", "auto")
+    assert parse_spec("cuda:flat") == ("cuda", "fp16", "auto")
+    assert parse_spec("cuda:1:flat,bf16") == ("cuda:1", "bf16", "auto")
     assert parse_spec("cuda:flat,fp32,scan=full") == ("cuda", "fp32", "full")
     assert parse_spec("cuda:flat,scan=int8") == ("cuda", "fp16", "int8")
     for bad in ("cuda:flat,fp8", "cuda:flat,scan=pq", "cpu:flat"):

@@ -178,7 +178,7 @@ def _run_size(args: argparse.Namespace, torch: Any, corpus: corpora.Corpus, bw: 
     # The int8 prefilter's graph, where the sidecar takes it (index.prefilter_min_rows, 1M
     # rows): its replay alone (the proof's check and any fallback happen on the host, after it)
     pre_floor_us = n * (dim + 12) / bw * 1e6
-    if index.prefilter_ok(1, k) and n >= index.prefilter_min_rows:
+    if index.scan == "int8" and index.prefilter_ok(1, k) and n >= index.prefilter_min_rows:
         pre = index.graph(1, k, prefilter=True)
         pre.query.copy_(q_gpu[:1])
         replay = pre.prefilter_cuda_graph().replay
@@ -187,6 +187,42 @@ def _run_size(args: argparse.Namespace, torch: Any, corpus: corpora.Corpus, bw: 
         row["floor_us"] = round(pre_floor_us, 3)
         rows.append(row)
         del pre
+    # The 4-bit cascade's graph (index.scan == "4bit"), a new query each replay: its time, and
+    # how many rows its bounds left to the exact pass (every search settles in one cascade:
+    # nothing is replayed)
+    cascade_stats: dict[str, Any] = {}
+    if index.scan == "4bit" and index.prefilter_ok(1, k) and n >= index.prefilter_min_rows:
+        from kalos.index.kernels import codes4
+
+        casc = index.graph(1, k, prefilter=True)
+        cuda_graph = casc.prefilter_cuda_graph()
+        ci = iter(range(10**9))
+
+        def cascade() -> None:
+            casc.query.copy_(q_gpu[next(ci) % len(q_gpu)][None])
+            cuda_graph.replay()
+
+        _event_times(torch, cascade, 50)
+        row = summarize("kalos-kernel-cascade", _event_times(torch, cascade, args.queries))
+        codes_bytes = n * (codes4.padded_dim(dim) // 2 + 8)
+        row["floor_us"] = round(codes_bytes / bw * 1e6, 3)
+        counts = []
+        for i in range(min(1000, len(q_gpu))):
+            casc.query.copy_(q_gpu[i][None])
+            cuda_graph.replay()
+            torch.cuda.synchronize()
+            counts.append(int(casc._status_np[1]))
+        c = np.array(counts)
+        cascade_stats = {
+            "searches": len(c),
+            "replayed": 0,
+            "candidates_p50": int(np.percentile(c, 50)),
+            "candidates_p99": int(np.percentile(c, 99)),
+            "candidates_max": int(c.max()),
+        }
+        row.update(cascade_stats)
+        rows.append(row)
+        del casc
     # The sidecar's search path without the protocol: GpuSearch.search in this process (the
     # query staged in pinned memory, the graph launched and waited for through the driver,
     # the proof's check), host clocks. Its gap to the kernel rows is the launch, the sync and
@@ -311,6 +347,8 @@ def _run_size(args: argparse.Namespace, torch: Any, corpus: corpora.Corpus, bw: 
             by["torch-inprocess"]["p50_us"] / by["kalos-shm"]["p50_us"], 3
         ),
         "wrong_results": wrong,
+        "scan": index.scan,
+        **({"cascade": cascade_stats} if cascade_stats else {}),
     }
     return {"params": {"corpus": corpus.name, "n": n, "dim": dim, "dtype": "float16", "k": k,
                        "batch": 1, "client_spin_us": args.spin_us, "corpus_info": corpus.info},
