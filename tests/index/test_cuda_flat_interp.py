@@ -565,9 +565,14 @@ def test_prefilter_only_where_it_applies():
     assert g._status_np[0] == 1 and g.fallbacks == 0
     narrow = make_index("ip", "fp16", 16, "cpu")  # an int8 dot operand needs dim >= 32
     assert not narrow.graph(1, 10, prefilter=True).prefilter
-    wide = make_index("ip", "fp16", 384, "cpu")  # where the bound grows too loose to pay
-    assert not wide.graph(1, 10, prefilter=True).prefilter
     from kalos.index.cuda_flat import CudaFlatIndex
+
+    # int8 codes where their bound grows too loose to pay; the default takes the 4-bit
+    # cascade there instead (tests/index/test_codes4_interp.py)
+    wide = CudaFlatIndex(dim=384, metric="ip", spec="cuda:flat,scan=int8", device="cpu",
+                         scan="int8")  # fmt: skip
+    assert not wide.graph(1, 10, prefilter=True).prefilter
+    assert make_index("ip", "fp16", 384, "cpu").graph(1, 10, prefilter=True).prefilter
 
     full = CudaFlatIndex(dim=64, metric="ip", spec="cuda:flat,fp16,scan=full", device="cpu",
                          scan="full")  # fmt: skip

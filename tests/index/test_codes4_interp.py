@@ -1,0 +1,164 @@
+"""The 4-bit cascade (``scan=4bit``, kalos.index.kernels.codes4) on the CPU, under
+TRITON_INTERPRET=1: every answer against the float64 reference of tests/cuda_reference.py, on
+data made to be hard for a compressed scan -- anisotropic and clustered rows, rows tied with
+the k-th, every row in one tight cluster, rows that differ only below fp16's precision -- and
+through every way in (search_device, a search graph, scope filters, upserts and removes, a
+refit of the mean). Small sizes: the interpreter runs each program in Python.
+"""
+
+from __future__ import annotations
+
+# isort: off
+from triton_interp import torch, triton  # noqa: F401  (first: sets TRITON_INTERPRET)
+
+# isort: on
+
+import numpy as np
+import pytest
+
+from cuda_reference import check_graph_search, check_search, stored_vectors
+from kalos.index import cuda_flat
+from kalos.index.cuda_flat import CudaFlatIndex
+from kalos.index.kernels import codes4
+
+
+def cascade_index(metric: str, dim: int, dtype: str = "fp16") -> CudaFlatIndex:
+    idx = CudaFlatIndex(dim=dim, metric=metric, spec=f"cuda:flat,{dtype},scan=4bit",
+                        device="cpu", dtype=dtype, scan="4bit")  # fmt: skip
+    idx.prefilter_min_rows = 0  # the cascade at any size (it pays from ~1M rows on)
+    return idx
+
+
+def anisotropic(rng: np.random.Generator, n: int, dim: int) -> np.ndarray:
+    """Real embeddings' shape: a shared mean direction, a decaying spectrum, clusters."""
+    mean = rng.standard_normal(dim) * 3.0 / np.sqrt(dim)
+    spectrum = np.arange(1, dim + 1) ** -0.8
+    centres = rng.standard_normal((8, dim)) * spectrum
+    x = mean + centres[rng.integers(0, 8, n)] + 0.3 * rng.standard_normal((n, dim)) * spectrum
+    return x.astype(np.float32)
+
+
+def candidates(idx: CudaFlatIndex, k: int) -> int:
+    return int(idx._workspaces[(1, k, True)]["status"][1])
+
+
+@pytest.mark.parametrize(
+    "metric,dim,n,k",
+    [("ip", 384, 420, 10), ("cosine", 96, 500, 7), ("l2", 200, 360, 16), ("ip", 64, 300, 1)],
+)
+def test_cascade_matches_float64_reference(metric, dim, n, k):
+    rng = np.random.default_rng(dim + n + k)
+    idx = cascade_index(metric, dim)
+    x = anisotropic(rng, n, dim)
+    ids = rng.permutation(10 * n)[:n].astype(np.int64) + 1
+    idx.add(x, ids)
+    assert idx._fit_n == 0  # below CODES4_FIT_ROWS: not centred yet, still exact
+    for q in anisotropic(rng, 3, dim):
+        check_search(idx, x, ids, None, q, k)
+        assert 0 < candidates(idx, k) <= n
+
+
+def test_cascade_is_the_default_from_257_to_512_dims():
+    for dim, scan in ((256, "int8"), (257, "4bit"), (384, "4bit"), (512, "4bit"), (768, "int8")):
+        idx = CudaFlatIndex(dim=dim, metric="ip", spec="cuda:flat", device="cpu")
+        assert idx.scan == scan, dim
+
+
+def test_refit_centres_on_the_mean_and_stays_exact(monkeypatch):
+    monkeypatch.setattr(cuda_flat, "CODES4_FIT_ROWS", 200)
+    rng = np.random.default_rng(3)
+    dim = 128
+    idx = cascade_index("ip", dim)
+    x = anisotropic(rng, 520, dim)
+    ids = np.arange(1, 521, dtype=np.int64)
+    idx.add(x[:150], ids[:150])
+    assert idx._fit_n == 0
+    idx.add(x[150:260], ids[150:260])  # 260 >= 200: fitted
+    assert idx._fit_n == 260
+    idx.add(x[260:], ids[260:])  # 520 >= 2 * 260: fitted again, every row encoded anew
+    assert idx._fit_n == 520
+    stored = stored_vectors("ip", "fp16", x)
+    np.testing.assert_allclose(idx._mean64.numpy(), stored.mean(axis=0), atol=1e-9)
+    # centring on the mean tightens the bounds on data with a strong mean direction
+    for q in anisotropic(rng, 2, dim):
+        check_search(idx, x, ids, None, q, 10)
+
+
+def test_ties_with_the_kth_one_cluster_and_sub_fp16_differences():
+    rng = np.random.default_rng(11)
+    dim = 300
+    base = rng.standard_normal(dim).astype(np.float32)
+    # 60 exact copies (tied with the k-th), 100 rows closer to base than fp16 can tell apart,
+    # and 200 rows of one tight cluster around it
+    ties = np.repeat(base[None], 60, axis=0)
+    sub = base + 1e-6 * rng.standard_normal((100, dim)).astype(np.float32)
+    cluster = base + 1e-2 * rng.standard_normal((200, dim)).astype(np.float32)
+    x = np.concatenate([ties, sub, cluster])
+    ids = rng.permutation(len(x)).astype(np.int64) + 1
+    idx = cascade_index("ip", dim)
+    idx.add(x, ids)
+    for q in (base, base + 0.05 * rng.standard_normal(dim).astype(np.float32), -base):
+        check_search(idx, x, ids, None, q, 10)
+        check_search(idx, x, ids, None, q, 64)
+
+
+def test_scope_filter_upserts_and_removes():
+    rng = np.random.default_rng(5)
+    dim, n = 272, 400
+    idx = cascade_index("cosine", dim)
+    x = anisotropic(rng, n, dim)
+    ids = np.arange(1, n + 1, dtype=np.int64)
+    scopes = np.stack([rng.integers(1, 3, n), rng.integers(1, 4, n), np.zeros(n)], 1)
+    scopes = scopes.astype(np.int64)
+    idx.add(x, ids, scopes)
+    # upsert a third in place, remove another third: the last rows fill the holes
+    up = rng.choice(n, n // 3, replace=False)
+    x[up] = anisotropic(rng, len(up), dim)
+    idx.add(x[up], ids[up], scopes[up])
+    gone = rng.choice(np.setdiff1d(np.arange(n), up), n // 3, replace=False)
+    assert idx.remove(ids[gone]) == len(gone)
+    live = np.setdiff1d(np.arange(n), gone)
+    for q in anisotropic(rng, 2, dim):
+        check_search(idx, x[live], ids[live], scopes[live], q, 10)
+        check_search(idx, x[live], ids[live], scopes[live], q, 10, scope=(2, 0, 0))
+        check_search(idx, x[live], ids[live], scopes[live], q, 5, scope=(1, 3, 0))
+        check_search(idx, x[live], ids[live], scopes[live], q, 5, scope=(9, 0, 0))  # no match
+
+
+def test_graph_runs_the_cascade_and_resets_its_state():
+    rng = np.random.default_rng(8)
+    dim, n = 320, 360
+    idx = cascade_index("ip", dim)
+    x = anisotropic(rng, n, dim)
+    ids = np.arange(1, n + 1, dtype=np.int64)
+    idx.add(x, ids)
+    # several searches through one graph: each starts from the state the last one reset
+    g = check_graph_search(idx, x, ids, None, anisotropic(rng, 4, dim), 10)
+    assert g.fallbacks == 0
+    assert idx.prefilter_searches == 4 and idx.prefilter_fallbacks == 0
+    assert 0 < int(g._status_np[1]) <= n  # the candidates of the last search
+    ws = g._ws[1]
+    assert int(ws["count"][0]) == 0 and int(ws["emit_ticket"][0]) == 0
+    assert bool((ws["state"][0] == codes4.KEY_NONE).all())
+
+
+def test_the_bounds_hold_for_every_row():
+    """The lower and upper bound of every row bracket its exact score (the proof's premise),
+    on rows of very different norms and a query of a large norm."""
+    rng = np.random.default_rng(21)
+    dim, n = 384, 300
+    x = anisotropic(rng, n, dim) * rng.uniform(0.01, 50, (n, 1)).astype(np.float32)
+    idx = cascade_index("ip", dim)
+    idx.add(x, np.arange(1, n + 1))
+    q = (anisotropic(rng, 1, dim) * 30).astype(np.float32)
+    ws = idx._workspace(1, 10, prefilter=True)
+    qt = torch.from_numpy(q)
+    scores = torch.empty(1, 10)
+    out = torch.empty(1, 10, dtype=torch.int64)
+    idx._launch(qt, 10, idx._no_filter, False, scores, out, ws)
+    stored = stored_vectors("ip", "fp16", x)
+    exact = stored @ q[0].astype(np.float64)
+    upper = ws["upper"][:n].double().numpy()
+    width = ws["qf"][1].item() * idx._meta[1, :n].double().numpy()
+    assert np.all(upper >= exact), "an upper bound below the exact score"
+    assert np.all(upper - 2 * width <= exact), "a lower bound above the exact score"
