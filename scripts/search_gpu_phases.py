@@ -23,8 +23,9 @@ of copies of the scan's bounds (``ScanConfig.bound_replicas``; the tuned shapes 
 with it the index's own choices of shape, overridden: below ~270K rows that also lifts the cap
 on programs).
 
-Usage (CUDA machine): ``python3 bench/search_gpu_phases.py --out DIR [--sizes 1000000x128]
-[--full] [--replicas 1 16] [--dump PREFIX] [--suffix s8]``
+Usage (CUDA machine): ``python3 scripts/search_gpu_phases.py --out DIR [--sizes 1000000x128]
+[--full] [--replicas 1 16] [--dump PREFIX] [--suffix full]``; writes
+``search-gpu-phases-H200-<date>[-SUFFIX].json`` (``kalos.bench.common.write_result``).
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def _phases(traces: list[np.ndarray], p: int) -> dict[str, Any]:
     merged = prog[:, 2]
     out["merged_percentiles"] = [int(v) for v in np.percentile(merged, [10, 50, 90, 99, 100])]
     # how far a program's scan follows its merges (the slowest program is the one that merged
-    # most, run 12), and which programs merged most: the same ones run after run, and with
+    # most), and which programs merged most: the same ones run after run, and with
     # them their multiprocessors (both programs of a stale one)
     scan = (prog[:, 1] - prog[:, 0]).astype(np.float64)
     out["scan_merged_corr"] = round(float(np.corrcoef(scan, merged)[0, 1]), 3)

@@ -19,8 +19,9 @@ the read of the cancel word), ``header-read`` (the request's four header words, 
 loop's exit), ``body-read`` (the template's words and the query), ``stores-fence`` (the
 device and response-header stores and the fence before the verdict).
 
-Usage: ``python3 bench/doorbell_latency.py [--reps 1000] [--lead-us 50] [--out DIR]`` on a
-CUDA machine.
+Usage: ``python3 scripts/doorbell_latency.py [--reps 1000] [--lead-us 50] [--out DIR]`` on a
+CUDA machine (``scripts/gpu-check doorbell`` runs it); writes
+``doorbell-latency-H200-<date>.json`` (``kalos.bench.common.write_result``).
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ with one query, its ratio to its own bandwidth floor (bytes it must read / measu
 bandwidth), and over ``--check`` distinct queries how often the bound proved the result (no
 fallback) and how often the ids differed from the full scan's (must be 0).
 
-Usage (CUDA machine): ``python3 bench/search_gpu_prefilter.py --out DIR [--sizes 1000000x128]
-[--grid] [--only default-dot ...] [--tag -sweep6]``
+Usage (CUDA machine): ``python3 scripts/search_gpu_prefilter.py --out DIR [--sizes 1000000x128]
+[--grid] [--only default-dot ...] [--tag -grid]``; writes ``search-gpu-prefilter-H200[TAG].json``.
+It measured where the prefilter pays (``kernels.scan_topk.prefilter_min_rows``; docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def run_size(
     want_ids = torch.cat(want).cpu().numpy()
 
     # the default (lists of kernels.prefilter_lists, 4 warps) against other lists and 8
-    # warps; the launch-shape grid at 1M x 128 ran in sweeps 1-4 (bench/NOTES-gpu.md)
+    # warps; the launch-shape grid at 1M x 128 was swept with --grid (docs/PERFORMANCE.md)
     base = kern.choose_prefilter_config(dim, True)
     w8 = kern.ScanConfig(block_n=base.block_n, num_warps=8, num_stages=base.num_stages,
                          use_dot=True, programs_per_sm=base.programs_per_sm)  # fmt: skip
@@ -75,7 +76,7 @@ def run_size(
         (f"dot-lists{keep}", kern.PREFILTER_DOT, None, None, keep),
         (f"dot-lists{keep}-w8", kern.PREFILTER_DOT, w8, None, keep),
     ]
-    if grid:  # launch shapes around the default (4 warps, its lists): session 6's sweep
+    if grid:  # launch shapes around the default (4 warps, its lists)
         for pps in (1, 2, 3, 4):
             for stages in (2, 3, 4):
                 for bn in (128, 256, 512):
@@ -146,7 +147,7 @@ def main() -> int:
         )
         torch.cuda.empty_cache()
         if args.out:
-            path = os.path.join(args.out, f"search-gpu-prefilter-H200-{out['date']}{args.tag}.json")
+            path = os.path.join(args.out, f"search-gpu-prefilter-H200{args.tag}.json")
             with open(path, "w") as f:
                 json.dump(out, f, indent=1)
     return 0

@@ -3,11 +3,12 @@
 A thread pinned to one CPU reads the monotonic clock in a tight loop for ``--seconds`` and
 records every gap longer than ``--min-us`` between two reads: timer ticks, interrupts, the
 hypervisor taking the vCPU, other threads. On the CI-class VM the guest's timer tick (250 Hz)
-costs ~19 µs (bench/NOTES-cpu.md), which is what sets the p99 of a ~12 µs round trip; this
+costs ~19 µs (docs/PERFORMANCE.md), which is what sets the p99 of a ~12 µs round trip; this
 probe measures that floor on any machine, CPU by CPU, with nothing else of Kalos running.
 
-Usage: ``python3 bench/cpu_gaps.py [--cpus 0 1] [--seconds 2] [--out DIR]``; prints a line
-per CPU and writes ``cpu-gaps-<machine>-<date>.json`` when ``--out`` is given.
+Usage: ``python3 scripts/cpu_gaps.py [--cpus 0 1] [--seconds 2] [--machine NAME] [--out DIR]``;
+prints a line per CPU and writes ``cpu-gaps-<machine>.json`` (the date inside) when ``--out``
+is given. ``scripts/gpu-check bench`` runs it on the GPU host before the search-gpu bench.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def main() -> None:
         os.sched_setaffinity(0, mine)
     if args.out:
         date = datetime.date.today().isoformat()
-        path = os.path.join(args.out, f"cpu-gaps-{args.machine}-{date}.json")
+        path = os.path.join(args.out, f"cpu-gaps-{args.machine}.json")
         doc = {
             "scenario": "cpu-gaps",
             "machine": args.machine,

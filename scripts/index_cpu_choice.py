@@ -6,9 +6,10 @@ the two alternates), 2,000 timed searches each after a warm-up. Every timed resu
 against a float64 reference (recall@10), so a fast wrong answer cannot win. A third row times
 the naive in-process numpy search (``np.argpartition(db @ q)``) for scale.
 
-    PYTHONPATH=src python bench/index_cpu_choice.py --machine ci-2core
+    .venv/bin/python scripts/index_cpu_choice.py --machine ci-2core   # needs the faiss extra
 
-Writes ``bench/results/index-cpu-choice-<machine>-<date>.json`` in the BENCHMARKS.md shape.
+Writes ``bench/results/index-cpu-choice-<machine>.json`` in the results shape of
+docs/PERFORMANCE.md (the date inside).
 OPENBLAS_CORETYPE and thread counts are recorded as found; this script never changes them.
 """
 
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--seed", type=int, default=20261129)
     parser.add_argument("--date", default=dt.date.today().isoformat())
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent.parent / "bench" / "results")
     parser.add_argument(
         "--append", action="store_true", help="add this run to the day's file (a list of runs)"
     )
@@ -250,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{SCENARIO}-{args.machine}-{args.date}.json"
+    path = args.out / f"{SCENARIO}-{args.machine}.json"
     runs: list[dict[str, Any]] = []
     if args.append and path.exists():
         previous = json.loads(path.read_text())
