@@ -40,6 +40,7 @@ def probe(cpu: int, seconds: float, min_ns: int) -> dict:
     span = last - start
     lengths = np.array([g for _, g in gaps], np.float64) / 1e3
     row = {
+        "system": "pinned-clock-loop",
         "cpu": cpu,
         "seconds": round(span / 1e9, 3),
         "read_ns": round(span / max(reads, 1), 1),  # the loop's own step

@@ -111,9 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--seed", type=int, default=20261129)
     parser.add_argument("--date", default=dt.date.today().isoformat())
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent.parent / "bench" / "results")
     parser.add_argument(
-        "--append", action="store_true", help="add this run to the day's file (a list of runs)"
+        "--out", type=Path, default=Path(__file__).parent.parent / "bench" / "results"
+    )
+    parser.add_argument(
+        "--append", action="store_true", help="add this run to the file (a list of runs)"
     )
     args = parser.parse_args(argv)
 

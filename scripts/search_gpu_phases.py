@@ -131,6 +131,7 @@ def _variant(
     _event_times(torch, graph.replay, 20)
     replay = _event_times(torch, graph.replay, 200) / 1e3
     row = {
+        "system": "kalos-kernel-prefilter" if prefilter else "kalos-kernel",
         "n": n, "dim": dim, "k": k, "scan": "int8 prefilter" if prefilter else "full fp16",
         "config": repr(ws["cfg"]), "programs": p,
         "block_n": max(ws["cfg"].block_n, ws["cand"].shape[2]), "lists": ws["cand"].shape[2],

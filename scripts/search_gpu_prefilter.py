@@ -10,7 +10,7 @@ fallback) and how often the ids differed from the full scan's (must be 0).
 
 Usage (CUDA machine): ``python3 scripts/search_gpu_prefilter.py --out DIR [--sizes 1000000x128]
 [--grid] [--only default-dot ...] [--tag -grid]``; writes ``search-gpu-prefilter-H200[TAG].json``.
-It measured where the prefilter pays (``kernels.scan_topk.prefilter_min_rows``; docs/PERFORMANCE.md).
+It measured where the prefilter pays (the prefilter's row threshold; docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -120,7 +120,8 @@ def run_size(
     idx.prefilter_lists = None
     idx.prefilter_mode = kern.PREFILTER_DOT
     print(rows[0], flush=True)
-    return {"n": n, "dim": dim, "k": k, "rows": rows}
+    # one row per variant and size, each naming its system (the results shape)
+    return [{"system": r["variant"], "n": n, "dim": dim, "k": k, **r} for r in rows]
 
 
 def main() -> int:
@@ -139,12 +140,10 @@ def main() -> int:
     out: dict[str, Any] = {"scenario": "search-gpu-prefilter", "machine": "H200",
                            "date": datetime.date.today().isoformat(),
                            "gpu": torch.cuda.get_device_name(),
-                           "copy_bandwidth_TBps": round(bw / 1e12, 3), "sets": []}  # fmt: skip
+                           "copy_bandwidth_TBps": round(bw / 1e12, 3), "rows": []}  # fmt: skip
     for size in args.sizes:
         n, dim = (int(v) for v in size.split("x"))
-        out["sets"].append(
-            run_size(n, dim, args.k, bw, args.checks, args.reps, args.grid, args.only)
-        )
+        out["rows"] += run_size(n, dim, args.k, bw, args.checks, args.reps, args.grid, args.only)
         torch.cuda.empty_cache()
         if args.out:
             path = os.path.join(args.out, f"search-gpu-prefilter-H200{args.tag}.json")
