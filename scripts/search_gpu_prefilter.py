@@ -2,8 +2,8 @@
 
 For each size: the full scan's graph (``scan_topk`` over the fp16 rows) and the prefilter's
 graph (``scan_topk`` over the int8 codes, exact re-rank in the last program) under several
-launch shapes and numbers of rows kept (the int8 tensor-core dot; sweep 1 also ran the FMA
-form, ``PREFILTER_FMA``, slower at every size). Each row: CUDA-event p50/p99 of graph replays
+launch shapes and numbers of rows kept (the int8 tensor-core dot; the FMA form,
+``PREFILTER_FMA``, was slower at every size tried). Each row: CUDA-event p50/p99 of graph replays
 with one query, its ratio to its own bandwidth floor (bytes it must read / measured copy
 bandwidth), and over ``--check`` distinct queries how often the bound proved the result (no
 fallback) and how often the ids differed from the full scan's (must be 0).
