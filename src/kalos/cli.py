@@ -1,4 +1,4 @@
-"""The ``kalos`` command: serve, status, bench."""
+"""The ``kalos`` command: serve, status, demo, bench."""
 
 from __future__ import annotations
 
@@ -84,20 +84,63 @@ def _demo(args: argparse.Namespace) -> int:
     return run(args)
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to an option's help where it has a default worth showing (not
+    None, False or an empty list) and the help does not say it already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            action.option_strings
+            and default not in (None, False, [], argparse.SUPPRESS)
+            and "default" not in text
+        ):
+            text += " (default: %(default)s)"
+        return text
+
+
+DESCRIPTION = (
+    "Kalos, a memory-recall sidecar for LLM services. kalos serve runs a sidecar, kalos "
+    "status prints its stats, kalos demo runs a chat assistant's memory step on real text, "
+    "kalos bench runs a named benchmark scenario. kalos COMMAND --help: its options."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kalos.bench import add_bench_parsers
 
-    parser = argparse.ArgumentParser(prog="kalos", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="kalos", description=DESCRIPTION, formatter_class=_HelpFormatter
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,status,demo,bench}")
 
-    serve = sub.add_parser("serve", help="run a sidecar in the foreground")
+    serve = sub.add_parser(
+        "serve", help="run a sidecar in the foreground", formatter_class=_HelpFormatter
+    )
     serve.add_argument("--name", required=True, help="the sidecar's name (its socket)")
     serve.add_argument("--dim", type=int, required=True, help="vector dimension")
-    serve.add_argument("--metric", choices=("ip", "cosine", "l2"), default="ip")
+    serve.add_argument(
+        "--metric",
+        choices=("ip", "cosine", "l2"),
+        default="ip",
+        help="how search scores: ip (inner product, descending), cosine (vectors normalised "
+        "at add and search, descending) or l2 (squared distance, ascending)",
+    )
     serve.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    serve.add_argument("--index", default=None, help="index spec string, e.g. cpu:flat")
-    serve.add_argument("--runtime-dir", default=None, help="socket directory")
+    serve.add_argument(
+        "--index",
+        default=None,
+        help="index spec string, e.g. cpu:faiss-flat or cuda:flat,bf16 (default: the "
+        "device's exact index: cpu:flat, or cuda[:N]:flat,fp16)",
+    )
+    serve.add_argument(
+        "--runtime-dir",
+        default=None,
+        help="socket directory (default: $KALOS_RUNTIME_DIR, else $XDG_RUNTIME_DIR/kalos, "
+        "else /tmp/kalos-UID)",
+    )
     serve.add_argument(
         "--spin-us",
         type=float,
@@ -222,14 +265,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(func=_serve)
 
-    status = sub.add_parser("status", help="print a running sidecar's stats as JSON")
-    status.add_argument("--name", required=True)
-    status.add_argument("--runtime-dir", default=None)
-    status.add_argument("--timeout", type=float, default=2.0)
+    status = sub.add_parser(
+        "status", help="print a running sidecar's stats as JSON", formatter_class=_HelpFormatter
+    )
+    status.add_argument("--name", required=True, help="the sidecar's name (kalos serve --name)")
+    status.add_argument(
+        "--runtime-dir",
+        default=None,
+        help="the sidecar's socket directory, if kalos serve was given one (default: "
+        "$KALOS_RUNTIME_DIR, else $XDG_RUNTIME_DIR/kalos, else /tmp/kalos-UID)",
+    )
+    status.add_argument(
+        "--timeout", type=float, default=2.0, help="seconds to wait for the connection and answer"
+    )
     status.set_defaults(func=_status)
 
     demo = sub.add_parser(
-        "demo", help="a chat assistant's memory step on real text: kalos vs a Redis pipeline"
+        "demo",
+        help="a chat assistant's memory step on real text: kalos vs a Redis pipeline",
+        formatter_class=_HelpFormatter,
     )
     from kalos.demo import add_arguments
 

@@ -32,6 +32,8 @@ import json
 import os
 import re
 import shutil
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -684,14 +686,23 @@ def run(args: argparse.Namespace) -> int:
     budget = Budget(args.k, args.max_tokens, args.memory_tokens)
     redis_bin, skipped = _pipeline_unavailable(args)
     with contextlib.ExitStack() as stack:
-        sidecar = stack.enter_context(
-            isolated_sidecar(
-                dim=vectors.shape[1],
-                metric="cosine",
-                name="demo",
-                extra_args=("--tokenizer", tokenizer_path),
+        # The sidecar's log (timestamped INFO lines) goes to a file, not between the demo's
+        # lines; it is shown if the sidecar fails to start, and with -v it goes to stderr.
+        log_file = stack.enter_context(tempfile.TemporaryFile(mode="w+"))
+        try:
+            sidecar = stack.enter_context(
+                isolated_sidecar(
+                    dim=vectors.shape[1],
+                    metric="cosine",
+                    name="demo",
+                    extra_args=("--tokenizer", tokenizer_path),
+                    stderr=None if getattr(args, "verbose", False) else log_file,
+                )
             )
-        )
+        except BaseException:
+            log_file.seek(0)
+            sys.stderr.write(log_file.read())
+            raise
         print(
             f"sidecar pid {sidecar.process.pid} at {sidecar.socket}, --tokenizer {tokenizer_path}"
         )

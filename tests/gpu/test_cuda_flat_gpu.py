@@ -197,8 +197,9 @@ def _exact_top_k_check(ids_got, db, queries, k):
 def test_exact_many_queries_repeated_at_1m(dim):
     """256 random queries at 1M rows, k = 10, batches of 1 and 2, 4 runs each through
     search_device and through a graph: every answer exact (tie-aware, against torch), and the
-    same in every run and on both paths (keys are unique, so the exact answer is unique). The
-    race fixed in bench/NOTES-gpu.md dropped a true top-k item in ~0.5% of such searches."""
+    same in every run and on both paths (keys are unique, so the exact answer is unique). A
+    skip bound read differently by the threads of one program (kernels.scan_topk's docstring)
+    would drop a true top-k item in a fraction of such searches."""
     n, k, nqs, reps = 1_000_000, 10, 256, 4
     idx = make_index("ip", "fp16", dim, "cuda")
     g = torch.Generator(device="cuda").manual_seed(100 + dim)

@@ -137,6 +137,7 @@ def test_a_second_sidecar_of_the_same_name_is_refused(sidecar: Start) -> None:
                          "--runtime-dir", first.runtime_dir)  # fmt: skip
         assert done.returncode == 2
         assert "already serving" in done.stderr
+        assert "admin" not in done.stderr  # said first, before any port or index is set up
         # the first one is untouched: its socket, its clients, its data
         assert os.path.exists(first.socket)
         assert client.search(np.ones(DIM), k=1).ids.tolist() == [7]

@@ -1,4 +1,4 @@
-"""Benchmarks behind ``kalos bench SCENARIO`` (names from BENCHMARKS.md).
+"""Benchmarks behind ``kalos bench SCENARIO`` (names in docs/PERFORMANCE.md).
 
 Every scenario writes ``<out>/<scenario>-<machine>-<date>.json`` and, where it has samples, a
 PNG beside it (:mod:`kalos.bench.plots`); long runs show a progress bar on a terminal's

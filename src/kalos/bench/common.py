@@ -1,7 +1,7 @@
 """What every benchmark shares: latency summaries, machine facts, the result file, a progress
 bar, the per-stage breakdown of a kalos call, and concurrent interleaved runs.
 
-Results follow the shape in BENCHMARKS.md: ``{"scenario", "machine", "date", "versions",
+Results follow the shape in docs/PERFORMANCE.md: ``{"scenario", "machine", "date", "versions",
 "params", "rows": [{"system", "p50_us", "p99_us", "p999_us", "qps", ...}]}``.
 
 The five stages of a kalos call (:data:`STAGES`, µs; they sum to the round trip the benchmark

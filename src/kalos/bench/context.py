@@ -1,6 +1,6 @@
 """context: a session's newest turns within 4,096 tokens, kalos vs Redis vs an in-process dict.
 
-1,000 sessions x 50 turns of ~100 tokens (BENCHMARKS.md). Side by side, in one run:
+1,000 sessions x 50 turns of ~100 tokens (docs/PERFORMANCE.md). Side by side, in one run:
 
 * ``kalos-shm``: ``client.context(session, 4096, turns=False)`` end to end against a sidecar
   process (shm): the window's token ids, as an int32 view, which is what the model takes.

@@ -2,7 +2,7 @@
 
 The step: a session's context and the top-5 memories for a query, handed to the model as one
 sequence of token ids ([memories, best hit first] + [the newest turns, oldest first], within
-4,096 tokens; kalos's rule, :func:`kalos.bench.baseline.assemble`). Data (BENCHMARKS.md):
+4,096 tokens; kalos's rule, :func:`kalos.bench.baseline.assemble`). Data (docs/PERFORMANCE.md):
 100K memories of 384 dims (random unit vectors, fixed seed), each with a text of 30-60
 tokens and its token ids; 1,000 sessions x 50 turns of ~100 tokens. Side by side, in one
 interleaved run at each concurrency level (``--concurrency``, default 1, 8 and 64 threads):

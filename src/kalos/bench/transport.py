@@ -2,7 +2,7 @@
 
 Every transport talks to one sidecar process (grpc over loopback TCP, and over a Unix socket),
 interleaved in blocks so that drift hits them all alike; the ratios of their p50s to shm's
-are the numbers to quote (target: shm >= 20x faster than grpc at p50, BENCHMARKS.md).
+are the numbers to quote (target: shm >= 20x faster than grpc at p50, docs/PERFORMANCE.md).
 
 ``--concurrency 1,8,64``: at each level N, N client processes (spawned; one process does it
 itself at N = 1) each make ``--requests / N`` round trips per system, in lockstep: every
@@ -10,7 +10,7 @@ process runs its block of one system, waits for the others at a barrier, then th
 system. A sample is one round trip of one client; qps is the sum over the clients.
 
 ``--affinity split`` (the default) pins the sidecar to the last CPU and the clients to the
-others, so that client and sidecar each have their own cores (BENCHMARKS.md's condition for
+others, so that client and sidecar each have their own cores (docs/PERFORMANCE.md's condition for
 the shm target; ``params.affinity`` records it); ``none`` leaves placement to the scheduler.
 
 Each row carries its latency at many quantiles (``quantiles``: p0.1 .. p99.9, µs), enough to

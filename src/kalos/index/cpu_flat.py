@@ -8,7 +8,7 @@ Top-k selection, measured on the 2-core CI VM (100K float32 scores): ``np.argpar
 all of them took ~0.8 ms, as long as a third of the product itself; taking a threshold from a
 1/32 strided sample first (:func:`top_k_1d`) and partitioning only the few scores above it takes
 ~0.05 ms and stays exact. The backend comparison that made this ``"cpu:flat"`` is in
-``bench/results/index-cpu-choice-ci-2core-2026-11-29.json``.
+``bench/results/index-cpu-choice-ci-2core.json``.
 """
 
 from __future__ import annotations

@@ -154,7 +154,7 @@ class CudaFlatIndex:
             CODES4_MIN_ROWS if scan == "4bit" else kernels.PREFILTER_MIN_ROWS
         )
         # a [programs + 1, 8] int64 tensor that fused scans launched from now on fill with
-        # where their time goes (kernels.scan_topk's trace; bench/search_gpu_phases.py)
+        # where their time goes (kernels.scan_topk's trace; scripts/search_gpu_phases.py)
         self.trace: Any = None
         # searches that took the prefilter, and those of them that replayed the full scan
         self.prefilter_searches = 0
@@ -537,7 +537,7 @@ class CudaFlatIndex:
         programs = self._sms * cfg.programs_per_sm  # _sms is 1 on the CPU
         if self._on_gpu and self.scan_config is None:
             # small capacities: >= 8 tiles a program, >= 1 program an SM (100K x 128 on an
-            # H200: 132 programs 26 µs, 264 programs 33 µs; bench/NOTES-gpu.md)
+            # H200: 132 programs 26 µs, 264 programs 33 µs)
             programs = min(programs, max(self._sms, tiles // 8))
         return max(1, min(tiles, programs))
 
@@ -958,7 +958,7 @@ class SearchGraph:
         """:meth:`replay` on ``stream`` (torch's current stream, as there), then wait for it:
         launched and waited for through the driver (:func:`kalos.gpu.driver.graph_launcher`),
         which saves torch's per-replay bookkeeping: at 1M x 128 on the H200, replay + sync
-        87.3 µs against 92.2 with torch's (bench/NOTES-gpu.md, run 7). A prefiltered graph
+        87.3 µs against 92.2 with torch's. A prefiltered graph
         runs the prefilter first and the full scan only when its result is not proven.
 
         Returns whether the answer is the proven prefilter's: with ``publish``, the kernel has

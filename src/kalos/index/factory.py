@@ -14,7 +14,7 @@ it, so optional packages (faiss, torch) are never imported by ``import kalos.ind
 
 ``"cpu:flat"`` is numpy because it won the side-by-side measurement on the 2-core CI machine
 (100K x 128 float32, top-10, nq=1, interleaved: FAISS flat was 3.5-3.8x slower at p50,
-2.7x at p99; ``bench/results/index-cpu-choice-ci-2core-2026-11-29.json``).
+2.7x at p99; ``bench/results/index-cpu-choice-ci-2core.json``).
 """
 
 from __future__ import annotations

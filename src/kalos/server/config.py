@@ -53,8 +53,8 @@ class SidecarConfig:
     reserve: int = 0
     # A cuda sidecar's GPU picks a channel's next search up itself, with no sidecar CPU
     # between the client and the kernel (kalos.server.doorbell; off: kalos serve
-    # --no-gpu-doorbell). On the H200, 1M x 128: p99 80-103 µs against 103-170 through the
-    # poller, side by side (bench/NOTES-gpu.md, run 15).
+    # --no-gpu-doorbell). On the H200, 1M x 128: p99 103.1 µs against 124.2 through the
+    # poller, side by side (bench/results/search-gpu-H200.json).
     gpu_doorbell: bool = True
     limits: Limits = dataclasses.field(default_factory=Limits)
     # The admin HTTP endpoint on 127.0.0.1 (kalos.server.admin): None turns it off; 0 picks a

@@ -104,7 +104,7 @@ def _doorbell_kernel(
     seq_ptr,  # [1] int64 on the device: the staged sequence number the scan publishes
     dest_ptr,  # [D] fp32 on the device: the staged query the scan reads
     gate_ptr,  # [1] int32 on the device: the scan's gate
-    trace_ptr,  # with TRACE: [8] int64 on the device, the step times (bench/doorbell_latency.py)
+    trace_ptr,  # with TRACE: [8] int64 on the device, the step times (scripts/doorbell_latency.py)
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ESIZE: tl.constexpr,  # bytes of one query value on the wire

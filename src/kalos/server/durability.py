@@ -26,7 +26,7 @@ request runs) the log is synced and rotated, then the stores are written into
 image of the stores as of that LSN, so serving pauses only for the ``fork()`` (tens of ms for
 a 1M x 128 store) while the child writes; with ``fork=False`` (GPU indexes: CUDA does not
 survive a fork) the poller writes them itself and serving pauses for all of it (seconds for
-1M x 128 vectors with payloads: bench/results/recovery-*.json). A background thread then
+1M x 128 vectors with payloads: bench/results/recovery-ci-2core.json). A background thread then
 fsyncs the files, renames the directory into place, and deletes the older snapshot and the
 log segments it covers. A crash at any point leaves either the old snapshot plus the whole
 log, or the new one plus the log after it; a snapshot that fails (a full disk, a child that

@@ -169,7 +169,7 @@ class _HostResultGraph(SearchGraph):
     The scope and query go to the device in one memcpy node; the merge kernel writes the
     top-k straight into host memory (unified addressing), with no copy node back: into the
     channel's response arena when ``out`` lies in a :class:`PinnedArena`, else into the
-    pinned staging buffers. Measured on the H200 (bench/search_gpu_overhead.py, replay + sync
+    pinned staging buffers. Measured on the H200 (host clocks around replay + sync
     at 100K x 128): three copy nodes 38.7 µs; results written to pinned memory 30.4 µs.
     Letting the kernels read the query from pinned memory too was slower (37.1 µs): every
     program of the scan pulls it across PCIe before its first tile."""

@@ -64,20 +64,32 @@ def prepare_runtime_dir(path: str, traversable: bool = False) -> None:
         os.chmod(path, (st.st_mode & 0o777) | 0o011)
 
 
-def claim_socket(path: str) -> None:
-    """Removes a stale socket; ConfigError if a live sidecar already answers there."""
+def _socket_live(path: str) -> bool:
+    """Whether a process accepts connections on the Unix socket at ``path``."""
     if not os.path.exists(path):
-        return
+        return False
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.settimeout(1.0)
         probe.connect(path)
     except OSError:
-        os.unlink(path)  # nobody listens: left by a sidecar that was killed
-        return
+        return False
     finally:
         probe.close()
-    raise ConfigError(f"a sidecar is already serving at {path}")
+    return True
+
+
+def check_socket_free(path: str) -> None:
+    """ConfigError if a live sidecar already answers at ``path`` (changes nothing)."""
+    if _socket_live(path):
+        raise ConfigError(f"a sidecar is already serving at {path}")
+
+
+def claim_socket(path: str) -> None:
+    """Removes a stale socket; ConfigError if a live sidecar already answers there."""
+    check_socket_free(path)
+    if os.path.lexists(path):
+        os.unlink(path)  # nobody listens: left by a sidecar that was killed
 
 
 class Sidecar:
@@ -86,6 +98,9 @@ class Sidecar:
         self.epoch = secrets.randbits(63) or 1
         self._threadpools = threadpool_limits(limits=config.compute_threads)
         self.path = socket_path(config.name, config.runtime_dir)
+        # A second sidecar of the same name: say so first, before anything else it would
+        # start (the admin port's warning, an index, shared memory) hides the cause.
+        check_socket_free(self.path)
         # One tokenizer for turns and memories sent without token ids.
         tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer is not None else None
         self.memories = MemoryStore(

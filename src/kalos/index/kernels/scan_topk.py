@@ -28,7 +28,7 @@ from ``k`` distinct rows, so at least ``k`` keys are >= their minimum. Either is
 true k-th key, whenever it is read. A tile whose largest key is at most the bound holds no row
 of the final top-k (keys are unique: the row is in the low bits).
 
-Threads of one program may disagree about the bound (bench/NOTES-gpu.md, "the race"). The bound
+Threads of one program may disagree about the bound. The bound
 lives in memory that other programs change while this one runs, and each warp reads it with its
 own loads, at its own time; Triton assumes that every thread holding a copy of a tensor element
 holds the same value, and layout conversions may take an element from any of them. So nothing
@@ -1072,7 +1072,7 @@ def fast_path_ok(nq: int, k: int, dim: int, elem_bytes: int) -> bool:
 
 
 def choose_config(dim: int, elem_bytes: int, nq: int, k: int, on_gpu: bool) -> ScanConfig:
-    """Launch shape, from the H200 sweeps in bench/NOTES-gpu.md: a single query scores with
+    """Launch shape, from launch-shape sweeps on the H200: a single query scores with
     FMAs on 32 KB tiles (128 rows at dim 128, 16 at 768), 3 stages deep, 2 programs per SM
     (3 for narrow tiles); batches use tensor cores on ~32 KB tiles, 2 programs per SM."""
     row = block_d(dim) * elem_bytes
@@ -1115,10 +1115,10 @@ def choose_config(dim: int, elem_bytes: int, nq: int, k: int, on_gpu: bool) -> S
 
 PREFILTER_MAX_K = 32  # above this the candidate lists grow past what pays
 PREFILTER_MIN_DIM = 32  # an int8 dot operand needs K >= 32
-# Where it pays, from bench/search_gpu_prefilter.py on the H200 (bench/NOTES-gpu.md, run 8):
-# at 10M x 128 the kernel took 441 µs against the full scan's 608; at 1M x 128, 75.7 against
-# 74.9 (keeping 32 candidates costs as much as the bytes it saves); at 1M x 768, 437 against
-# 377, with one search in five not proven (the bound grows with the dimension).
+# Where it pays (scripts/search_gpu_prefilter.py on the H200, search-gpu-prefilter-H200.json in
+# bench/results): at 10M x 128 330.5 µs against the full scan's 570.6, at 1M x 128 58.5 against
+# 74.3, at 300K 36.9 against 35.5 (no gain); above 256 dims the bound, which grows with the
+# dimension, leaves too many searches unproven.
 PREFILTER_MIN_ROWS = 1_000_000
 PREFILTER_MAX_DIM = 256
 # Relative slack of the bound: the fp32 rounding of the prefilter's dot product and of the
@@ -1138,8 +1138,8 @@ def prefilter_lists(keep: int, programs: int) -> int:
     once there are at least as many programs as rows kept, else all of them. Shorter lists cut
     the per-tile work, and the proof covers a row pushed off a list; with a program per kept
     row, a list of keep/4 overflows only when the best rows crowd into one program. At 1M x 128
-    on the H200 (264 programs), keep 32: lists of 32 74.9 µs, of 16 62.9, of 8 58.4, every
-    search proven (bench/NOTES-gpu.md, sweep 4)."""
+    on the H200 (264 programs), keep 32: lists of 32 75.1 µs, of 16 63.0, of 8 58.5, every
+    search proven (bench/results/search-gpu-prefilter-H200.json)."""
     return max(8, keep // 4) if programs >= keep else keep
 
 
@@ -1181,20 +1181,20 @@ def prefilter_meta(x: Any) -> tuple[Any, Any]:
 
 
 def choose_prefilter_config(dim: int, on_gpu: bool, mode: int = PREFILTER_DOT) -> ScanConfig:
-    """Launch shape of the prefilter's scan (int8 rows of ``dim`` bytes; sweeps in
-    bench/NOTES-gpu.md)."""
+    """Launch shape of the prefilter's scan (int8 rows of ``dim`` bytes; measured in
+    bench/results/search-gpu-prefilter-H200.json)."""
     if not on_gpu:
         return ScanConfig(block_n=64, num_warps=4, num_stages=1, use_dot=True, programs_per_sm=4)
     bn = max(64, min(256, next_pow2(32768 // block_d(dim))))
     stages = max(1, min(3, (96 * 1024) // (bn * block_d(dim))))
     return ScanConfig(
         block_n=bn,
-        num_warps=4,  # 1M x 128: 74.9 µs against 88.2 with 8 (sweep 4)
+        num_warps=4,  # 1M x 128: 58.5 µs against 72.6 with 8
         num_stages=stages,
         use_dot=mode == PREFILTER_DOT,
         programs_per_sm=2,
         # 16 copies of the bounds: one in L1 goes stale under the pipelined int8 loads, and
-        # the programs on those multiprocessors merge every tile (runs 12-13: 1M 58.0 -> 51.0
+        # the programs on those multiprocessors merge every tile (traced: 1M 58.0 -> 51.0
         # µs, 10M 346.9 -> 329.3; the full fp16 scan does not gain, and loses at 10M)
         bound_replicas=16,
     )
@@ -1292,7 +1292,7 @@ def scan_topk(
     resets them all.
 
     trace: None, or a [programs + 1, 8] int64 tensor that the kernel fills with where its time
-    goes (a probe's: ``bench/search_gpu_phases.py``). Row p < programs, program p: 0 its
+    goes (a probe's: ``scripts/search_gpu_phases.py``). Row p < programs, program p: 0 its
     start, 1 the end of its scan, 2 tiles merged into its list, 3 tiles walked, 4 its end,
     5 its multiprocessor. Row programs, the fused last program: 0 the selection done, 1 the
     re-rank done (prefilter), 2 the results written (prefilter), 3 its program id, 4 the
