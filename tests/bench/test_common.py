@@ -184,7 +184,7 @@ def test_run_interleaved_splits_kalos_calls(sidecar):
 def test_plot_writes_a_png_beside_the_json(tmp_path):
     path = write_result("unit", "box", {"n": 1}, [{"system": "a"}], str(tmp_path), "cpu")
     with open(path) as f:
-        assert path.endswith("unit-box-" + json.load(f)["date"] + "-cpu.json")
+        assert path.endswith("unit-box-cpu.json") and json.load(f)["date"]
     rng = np.random.default_rng(1)
     png = plot_result(
         path,

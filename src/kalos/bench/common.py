@@ -104,7 +104,8 @@ def write_result(
     suffix: str | None = None,
     **extra: Any,
 ) -> str:
-    """Writes bench/results/<scenario>-<machine>-<date>[-suffix].json; returns its path."""
+    """Writes bench/results/<scenario>-<machine>[-suffix].json, the result of record (the date
+    and versions inside; the run it replaces lives on in git); returns its path."""
     date = datetime.date.today().isoformat()
     name = machine_name(machine)
     result = {
@@ -119,7 +120,7 @@ def write_result(
     }
     os.makedirs(out_dir, exist_ok=True)
     tail = f"-{suffix}" if suffix else ""
-    path = os.path.join(out_dir, f"{scenario}-{name}-{date}{tail}.json")
+    path = os.path.join(out_dir, f"{scenario}-{name}{tail}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
         f.write("\n")

@@ -361,7 +361,7 @@ def run(args: argparse.Namespace) -> int:
         params,
         rows,
         args.out,
-        args.suffix or args.device,
+        args.suffix,
         mismatches=mismatches,
         targets=targets,
         load_average_before=load_before,
