@@ -423,8 +423,7 @@ class Client:
         start = _monotonic_ns()
         single = np.ndim(query) == 1
         q = self._host_queries(query)
-        if not isinstance(k, (int, np.integer)) or not 1 <= k <= codes.MAX_K:
-            raise InvalidRequest(f"k must be an integer between 1 and {codes.MAX_K}, got {k!r}")
+        codes.check_k(k)
         sb = scope_bytes(scope)
         flags = codes.SEARCH_WANT_PAYLOADS if payloads else 0
         try:
@@ -475,8 +474,7 @@ class Client:
         gpu = t.gpu
         if gpu is None:
             raise ConfigError("search_gpu needs kalos.connect(..., gpu_results=True)")
-        if not isinstance(k, (int, np.integer)) or not 1 <= k <= codes.MAX_K:
-            raise InvalidRequest(f"k must be an integer between 1 and {codes.MAX_K}, got {k!r}")
+        codes.check_k(k)
         sb = scope_bytes(scope)
         flags = codes.SEARCH_GPU_RESULT
         on_gpu = getattr(query, "is_cuda", False)
@@ -758,8 +756,7 @@ class Client:
         start = _monotonic_ns()
         if type(session) is not str or not session:
             raise InvalidRequest("a session id must be a non-empty str")
-        if not isinstance(k, (int, np.integer)) or not 1 <= k <= codes.MAX_K:
-            raise InvalidRequest(f"k must be an integer between 1 and {codes.MAX_K}, got {k!r}")
+        codes.check_k(k)
         _check_count("max_tokens", max_tokens)
         if max_turns is not None:
             _check_count("max_turns", max_turns)

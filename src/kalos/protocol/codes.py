@@ -7,6 +7,7 @@ exception of :mod:`kalos.errors` through :func:`error_for_status`, in this one p
 from __future__ import annotations
 
 import enum
+import numbers
 
 from kalos import errors
 
@@ -17,6 +18,15 @@ from kalos import errors
 PROTOCOL_VERSION = (1, 4)
 
 MAX_K = 1024  # largest k a search may ask for
+
+
+def check_k(k: object) -> int:
+    """``k`` as the number of hits a search or recall asks for: an integer (numpy's too) in
+    1..:data:`MAX_K`. The client checks it before a request, the sidecar again on receipt.
+    Raises InvalidRequest otherwise."""
+    if not isinstance(k, numbers.Integral) or not 1 <= int(k) <= MAX_K:
+        raise errors.InvalidRequest(f"k must be an integer between 1 and {MAX_K}, got {k!r}")
+    return int(k)
 
 
 class Op(enum.IntEnum):
