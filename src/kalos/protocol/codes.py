@@ -35,7 +35,7 @@ class Op(enum.IntEnum):
     ADD = 3  # upsert: an existing id is replaced
     REMOVE = 4
     SEARCH = 5
-    # Sessions (context buffers), agent state and scopes: bodies in messages.py.
+    # Sessions (context buffers), agent state and scopes: bodies in messages/.
     APPEND_TURN = 6
     CONTEXT = 7
     SESSIONS = 8  # list, one page
