@@ -41,6 +41,7 @@ from kalos.errors import (
     StoreError,
     TransportError,
 )
+from kalos.options import ClientOptions
 from kalos.protocol import PROTOCOL_VERSION, Scope
 from kalos.transport import Tls
 
@@ -48,6 +49,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "AsyncClient",
     "Client",
+    "ClientOptions",
     "ClosedError",
     "ConfigError",
     "Conflict",
