@@ -42,8 +42,9 @@ from kalos.errors import (
     TransportError,
 )
 from kalos.options import ClientOptions
-from kalos.protocol import PROTOCOL_VERSION, Scope
+from kalos.protocol import PROTOCOL_VERSION
 from kalos.transport import Tls
+from kalos.types import Scope
 
 __all__ = [
     "PROTOCOL_VERSION",

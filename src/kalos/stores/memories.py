@@ -24,8 +24,8 @@ from kalos.index import Index
 from kalos.index.base import RowTable, scope_mask
 from kalos.protocol import codes
 from kalos.protocol.codes import check_k
-from kalos.protocol.messages import Scope
 from kalos.stores.limits import Limits, check_size
+from kalos.types import Scope
 
 if TYPE_CHECKING:
     from kalos.server.gpu_search import GpuResultBuffer, GpuSearch, PinnedArena
