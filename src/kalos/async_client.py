@@ -230,14 +230,14 @@ class AsyncClient:
     a call still queued is dropped, one already sent finishes on its channel thread (within
     its deadline) and its result is discarded before the channel serves anyone else.
 
-    Cost (design (a) of issue 6, chosen over an eventfd wake-up negotiated per channel, which
-    would touch the handshake and the poller and save only the request-side hop): the loop
-    never waits on a channel; each call pays two thread hops, loop to a channel thread through
-    a queue and back through ``call_soon_threadsafe``, about 45-50 µs on the shared 2-core
-    development VM. ``kalos bench async`` at a smoke size (4,000 pings, shm), four runs: ping
-    p50 from one task 51-54 µs against the sync client's 4.5 µs (11-12x) while the machine was
-    quiet enough for the sync client's spin to catch the response, and 122-136 µs against
-    66 µs (1.9-2.1x) under the other engineers' load (load ~4.5), when both park. With 8 tasks
+    Cost (thread hops, chosen over an eventfd wake-up negotiated per channel, which would
+    touch the handshake and the poller and save only the request-side hop): the loop never
+    waits on a channel; each call pays two thread hops, loop to a channel thread through a
+    queue and back through ``call_soon_threadsafe``, about 45-50 µs on a shared 2-core VM.
+    ``kalos bench async`` at a smoke size (4,000 pings, shm), four runs: ping p50 from one
+    task 51-54 µs against the sync client's 4.5 µs (11-12x) while the machine was quiet
+    enough for the sync client's spin to catch the response, and 122-136 µs against 66 µs
+    (1.9-2.1x) under other load (load ~4.5), when both park. With 8 tasks
     against 8 threads of a sync client the throughput was 1.0-1.8x the sync client's (the
     hops overlap; 8 spinning threads on 2 cores do not). So: a few-µs sync call costs ~50 µs
     awaited here; worth it where the loop must not stall, not inside a tight loop (use a sync
