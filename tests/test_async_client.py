@@ -62,10 +62,13 @@ def test_every_client_method_is_a_coroutine_with_the_same_signature() -> None:
         assert inspect.signature(method) == inspect.signature(getattr(kalos.Client, name)), name
     for name in ("close", "aclose", "connect", "__aenter__", "__aexit__"):
         assert inspect.iscoroutinefunction(getattr(kalos.AsyncClient, name)), name
+    # connect_async takes connect's parameters (the options, as keywords or options=), plus
+    # max_channels
     sync = inspect.signature(kalos.connect).parameters
     async_ = inspect.signature(kalos.connect_async).parameters
-    assert list(async_)[: len(sync)] == list(sync)
+    assert set(async_) - set(sync) == {"max_channels"}
     for name, p in sync.items():
+        assert async_[name].kind == p.kind, name
         assert async_[name].default == p.default, name
 
 

@@ -6,6 +6,7 @@ fixture of conftest.py; ``client`` is one client of a fresh ip store of dimensio
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 
@@ -15,7 +16,8 @@ import pytest
 import kalos
 from conftest import DIM, TIMEOUT, Backend
 from kalos import Scope
-from kalos.errors import ClosedError, InvalidRequest
+from kalos.errors import ClosedError, ConfigError, InvalidRequest
+from kalos.testing import RunningSidecar
 
 MAX_K = 1024
 
@@ -495,3 +497,30 @@ def test_the_default_spin_follows_the_sidecars_device(sidecar) -> None:
         told.ping()
         spins = [c._channel(TIMEOUT)._spin_ns for c in (default, told)]  # this thread's channels
     assert spins == [int(SPIN_US * 1000), 7000]
+
+
+def test_client_options_as_keywords_or_one_object(sidecar: Callable[..., RunningSidecar]) -> None:
+    running = sidecar(dim=DIM)
+    opts = kalos.ClientOptions(timeout=2.0, transport="uds", runtime_dir=running.runtime_dir)
+    for client in (
+        kalos.connect(running.name, options=opts),
+        kalos.connect(running.name, timeout=2.0, transport="uds", runtime_dir=running.runtime_dir),
+        kalos.Client(running.name, options=kalos.ClientOptions(), timeout=2.0, transport="uds",
+                     runtime_dir=running.runtime_dir),
+    ):  # fmt: skip
+        with client:
+            assert client.options == opts
+            assert client.timeout == 2.0
+            client.ping()
+    # keywords beside options override its fields; the defaults are the documented ones
+    assert kalos.ClientOptions.of(opts, {"timeout": 1.0}) == dataclasses.replace(opts, timeout=1.0)
+    assert kalos.ClientOptions() == kalos.ClientOptions(
+        transport="shm", timeout=5.0, runtime_dir=None, arena_bytes=1 << 20, spin_us=None,
+        gpu_results=False, on_unavailable="raise", hung_after=None, tls=None, local_reads=True,
+    )  # fmt: skip
+    with pytest.raises(TypeError, match="transprot"):
+        kalos.connect(running.name, transprot="uds")  # type: ignore[call-arg]
+    with pytest.raises(ConfigError, match="on_unavailable"):
+        kalos.ClientOptions(on_unavailable="ignore")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.timeout = 1.0  # type: ignore[misc]

@@ -29,8 +29,8 @@ def test_every_name_in_all_exists() -> None:
 
 def test_all_lists_the_public_api() -> None:
     expected = {
-        "PROTOCOL_VERSION", "AsyncClient", "Client", "ClosedError", "ConfigError", "Conflict",
-        "ConnectError", "InvalidRequest", "KalosError", "NotFound", "PayloadTooLarge",
+        "PROTOCOL_VERSION", "AsyncClient", "Client", "ClientOptions", "ClosedError", "ConfigError",
+        "Conflict", "ConnectError", "InvalidRequest", "KalosError", "NotFound", "PayloadTooLarge",
         "ProtocolMismatch", "Recall", "RecallContext", "RecallParts", "RequestTimeout", "Scope",
         "SearchResult", "ServerError", "SidecarGone", "StoreError", "Timings", "Tls",
         "TransportError", "__version__", "connect", "connect_async",

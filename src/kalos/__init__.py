@@ -41,13 +41,16 @@ from kalos.errors import (
     StoreError,
     TransportError,
 )
-from kalos.protocol import PROTOCOL_VERSION, Scope
+from kalos.options import ClientOptions
+from kalos.protocol import PROTOCOL_VERSION
 from kalos.transport import Tls
+from kalos.types import Scope
 
 __all__ = [
     "PROTOCOL_VERSION",
     "AsyncClient",
     "Client",
+    "ClientOptions",
     "ClosedError",
     "ConfigError",
     "Conflict",

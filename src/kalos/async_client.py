@@ -24,14 +24,17 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Coroutine
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 
 from kalos.client import Client, Timings
 from kalos.errors import ClosedError, ConfigError, ConnectError
-from kalos.protocol import layout as L
-from kalos.transport import Tls, Transport
+from kalos.options import ClientOptions, ClientOptionsArgs
+from kalos.transport import Transport
+
+if TYPE_CHECKING:
+    from typing import Unpack
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -205,8 +208,10 @@ class AsyncClient:
     """An asyncio client of one sidecar: every :class:`kalos.Client` method as a coroutine.
 
     ``await kalos.connect_async(name, ...)`` or ``async with kalos.AsyncClient(name, ...)``
-    connects (the handshake runs on a channel thread, not on the loop); the arguments are
-    :func:`kalos.connect`'s, plus ``max_channels``. Any number of tasks may share one client.
+    connects (the handshake runs on a channel thread, not on the loop); the options are
+    :func:`kalos.connect`'s (:class:`kalos.ClientOptions`, as keywords or ``options=``), plus
+    ``max_channels``; ``connector`` is :class:`kalos.Client`'s. Any number of tasks may share
+    one client.
 
     Concurrency: each call in flight holds one channel (single producer, single consumer) and
     one channel thread; up to ``max_channels`` (default 32) of them, opened as concurrency
@@ -243,44 +248,20 @@ class AsyncClient:
         self,
         name: str,
         *,
-        transport: str = "shm",
-        timeout: float = 5.0,
-        runtime_dir: str | None = None,
-        arena_bytes: int = L.DEFAULT_ARENA_BYTES,
-        spin_us: float | None = None,
-        gpu_results: bool = False,
-        on_unavailable: str = "raise",
-        hung_after: float | None = None,
-        tls: Tls | None = None,
-        local_reads: bool = True,
+        options: ClientOptions | None = None,
         max_channels: int = 32,
         connector: Callable[[], Transport] | None = None,
+        **kwargs: Unpack[ClientOptionsArgs],
     ) -> None:
         if not isinstance(max_channels, int) or max_channels < 1:
             raise ConfigError(f"max_channels must be an integer >= 1, not {max_channels!r}")
-        if on_unavailable not in ("raise", "degrade"):
-            raise ConfigError(
-                f"on_unavailable must be 'raise' or 'degrade', not {on_unavailable!r}"
-            )
+        opts = ClientOptions.of(options, kwargs)
+        self.options = opts
         self.name = name
-        self.timeout = timeout
-        self.on_unavailable = on_unavailable
+        self.timeout = opts.timeout
+        self.on_unavailable = opts.on_unavailable
         self.max_channels = max_channels
-        self._make_client = functools.partial(
-            Client,
-            name,
-            transport=transport,
-            timeout=timeout,
-            runtime_dir=runtime_dir,
-            arena_bytes=arena_bytes,
-            spin_us=spin_us,
-            gpu_results=gpu_results,
-            connector=connector,
-            on_unavailable=on_unavailable,
-            hung_after=hung_after,
-            tls=tls,
-            local_reads=local_reads,
-        )
+        self._make_client = functools.partial(Client, name, options=opts, connector=connector)
         self._client: Client | None = None
         self._client_lock = threading.Lock()
         self._closed = False
@@ -473,35 +454,14 @@ class AsyncClient:
 async def connect_async(
     name: str,
     *,
-    transport: str = "shm",
-    timeout: float = 5.0,
-    runtime_dir: str | None = None,
-    arena_bytes: int = L.DEFAULT_ARENA_BYTES,
-    spin_us: float | None = None,
-    gpu_results: bool = False,
-    on_unavailable: str = "raise",
-    hung_after: float | None = None,
-    tls: Tls | None = None,
-    local_reads: bool = True,
+    options: ClientOptions | None = None,
     max_channels: int = 32,
+    **kwargs: Unpack[ClientOptionsArgs],
 ) -> AsyncClient:
     """Connects to the running sidecar ``name`` without blocking the event loop; the
-    arguments are :func:`kalos.connect`'s, plus ``max_channels`` (see :class:`AsyncClient`).
-    Raises ConnectError when none runs."""
-    client = AsyncClient(
-        name,
-        transport=transport,
-        timeout=timeout,
-        runtime_dir=runtime_dir,
-        arena_bytes=arena_bytes,
-        spin_us=spin_us,
-        gpu_results=gpu_results,
-        on_unavailable=on_unavailable,
-        hung_after=hung_after,
-        tls=tls,
-        max_channels=max_channels,
-        local_reads=local_reads,
-    )
+    options are :func:`kalos.connect`'s (:class:`kalos.ClientOptions`), plus ``max_channels``
+    (see :class:`AsyncClient`). Raises ConnectError when none runs."""
+    client = AsyncClient(name, options=ClientOptions.of(options, kwargs), max_channels=max_channels)
     try:
         return await client.connect()
     except BaseException:

@@ -19,7 +19,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -33,12 +33,15 @@ from kalos.errors import (
     RequestTimeout,
     SidecarGone,
 )
+from kalos.options import ClientOptions, ClientOptionsArgs
 from kalos.protocol import codes
-from kalos.protocol import layout as L
 from kalos.protocol import messages as M
 from kalos.protocol.codes import Op, error_for_status
 from kalos.protocol.messages import Event, Scope, SessionInfo, StateValue
-from kalos.transport import Tls, Transport, open_transport
+from kalos.transport import Transport, open_transport
+
+if TYPE_CHECKING:
+    from typing import Unpack
 
 _monotonic_ns = time.monotonic_ns
 
@@ -210,74 +213,47 @@ _new_tuple = tuple.__new__
 class Client:
     """A connection to one sidecar, safe to share between threads (one channel per thread).
 
-    ``transport``: "shm" (default), "uds" or "grpc"; for "grpc", ``name`` is the sidecar's
-    grpc target (``host:port`` or ``unix:/path``, see ``kalos serve --grpc``) and ``tls`` a
-    :class:`kalos.Tls` to secure it (None: plaintext). ``timeout``: the default deadline of a
-    call, in seconds. ``spin_us``: how long a caller spins for a response before parking (spinning
-    pays when the sidecar has its own core; parking costs a ~25 µs futex wake); None: 50 µs, or
-    200 µs against a sidecar whose index is on a GPU (a search there takes longer than 50 µs,
-    and a parked caller is woken only after the sidecar's stream sync).
-    ``gpu_results``: map each channel's GPU result buffer (a cuda sidecar, shm transport, torch
-    installed) so that :meth:`search_gpu` can hand results over as torch tensors.
+    The options (transport, deadline, spinning, what a lost sidecar does, ...) are
+    :class:`kalos.ClientOptions`' fields, given as keywords or as ``options=``; ``options``
+    holds them. The constructor connects (ConnectError when no sidecar answers).
 
     A lost sidecar: a call in flight or the next call raises SidecarGone within its deadline
     when the sidecar died (its socket reads EOF: seen within ~10 ms), is stopping, or hangs
-    (shm only: no heartbeat for ``hung_after`` seconds, default 1 s; over uds a hung sidecar is
-    a RequestTimeout). The next call opens a new channel within its own deadline (ConnectError
-    while no sidecar of that name answers); ``reconnects`` counts the channels reopened so.
-    ``on_unavailable``: "raise" (default) or "degrade": then, instead of SidecarGone,
-    ConnectError or RequestTimeout, :meth:`search` returns a SearchResult with every id -1
-    and ``degraded=True``, and :meth:`context` an empty Context with ``degraded=True``.
-    Every other call still raises (a write must never look done; ping, stats, state, session
-    listings and events have no harmless empty answer), and bad input always raises. The
-    constructor connects and raises ConnectError either way.
-
-    ``local_reads``: over shm, :meth:`context` with ``turns=False`` computes the window in
-    this process from the sidecar's session index and token heap (shared memory, read-only)
-    instead of sending a request, whenever the index can answer for certain; the sidecar
-    answers otherwise (kalos.stores.session_index). False: every call asks the sidecar.
+    (see ``hung_after``); the next call opens a new channel within its own deadline;
+    ``reconnects`` counts the channels reopened so. ``connector``: a callable that returns
+    a new channel, in place of the handshake (an in-process transport, in tests).
     """
 
     def __init__(
         self,
         name: str,
         *,
-        transport: str = "shm",
-        timeout: float = 5.0,
-        runtime_dir: str | None = None,
-        arena_bytes: int = L.DEFAULT_ARENA_BYTES,
-        spin_us: float | None = None,
-        gpu_results: bool = False,
+        options: ClientOptions | None = None,
         connector: Callable[[], Transport] | None = None,
-        on_unavailable: str = "raise",
-        hung_after: float | None = None,
-        tls: Tls | None = None,
-        local_reads: bool = True,
+        **kwargs: Unpack[ClientOptionsArgs],
     ) -> None:
-        if on_unavailable not in ("raise", "degrade"):
-            raise ConfigError(
-                f"on_unavailable must be 'raise' or 'degrade', not {on_unavailable!r}"
-            )
+        opts = ClientOptions.of(options, kwargs)
+        self.options = opts
         self.name = name
-        self.timeout = timeout
-        self.on_unavailable = on_unavailable
-        self._degrade = on_unavailable == "degrade"
-        self.local_reads = local_reads
+        self.timeout = opts.timeout
+        self.on_unavailable = opts.on_unavailable
+        self._degrade = opts.on_unavailable == "degrade"
+        self.local_reads = opts.local_reads
         self.reconnects = 0  # channels reopened after a lost sidecar or a timed-out call
         self._open: Callable[[float], Transport]
         if connector is None:
 
             def open_channel(budget: float) -> Transport:
                 return open_transport(
-                    transport,
+                    opts.transport,
                     name,
-                    runtime_dir=runtime_dir,
-                    arena_bytes=arena_bytes,
+                    runtime_dir=opts.runtime_dir,
+                    arena_bytes=opts.arena_bytes,
                     timeout=budget,
-                    spin_us=spin_us,
-                    gpu_results=gpu_results,
-                    hung_after=hung_after,
-                    tls=tls,
+                    spin_us=opts.spin_us,
+                    gpu_results=opts.gpu_results,
+                    hung_after=opts.hung_after,
+                    tls=opts.tls,
                 )
 
             self._open = open_channel
@@ -423,8 +399,7 @@ class Client:
         start = _monotonic_ns()
         single = np.ndim(query) == 1
         q = self._host_queries(query)
-        if not isinstance(k, (int, np.integer)) or not 1 <= k <= codes.MAX_K:
-            raise InvalidRequest(f"k must be an integer between 1 and {codes.MAX_K}, got {k!r}")
+        codes.check_k(k)
         sb = scope_bytes(scope)
         flags = codes.SEARCH_WANT_PAYLOADS if payloads else 0
         try:
@@ -475,8 +450,7 @@ class Client:
         gpu = t.gpu
         if gpu is None:
             raise ConfigError("search_gpu needs kalos.connect(..., gpu_results=True)")
-        if not isinstance(k, (int, np.integer)) or not 1 <= k <= codes.MAX_K:
-            raise InvalidRequest(f"k must be an integer between 1 and {codes.MAX_K}, got {k!r}")
+        codes.check_k(k)
         sb = scope_bytes(scope)
         flags = codes.SEARCH_GPU_RESULT
         on_gpu = getattr(query, "is_cuda", False)
@@ -758,8 +732,7 @@ class Client:
         start = _monotonic_ns()
         if type(session) is not str or not session:
             raise InvalidRequest("a session id must be a non-empty str")
-        if not isinstance(k, (int, np.integer)) or not 1 <= k <= codes.MAX_K:
-            raise InvalidRequest(f"k must be an integer between 1 and {codes.MAX_K}, got {k!r}")
+        codes.check_k(k)
         _check_count("max_tokens", max_tokens)
         if max_turns is not None:
             _check_count("max_turns", max_turns)
@@ -1181,33 +1154,10 @@ def _encode_payloads(
 
 
 def connect(
-    name: str,
-    *,
-    transport: str = "shm",
-    timeout: float = 5.0,
-    runtime_dir: str | None = None,
-    arena_bytes: int = L.DEFAULT_ARENA_BYTES,
-    spin_us: float | None = None,
-    gpu_results: bool = False,
-    on_unavailable: str = "raise",
-    hung_after: float | None = None,
-    tls: Tls | None = None,
-    local_reads: bool = True,
+    name: str, *, options: ClientOptions | None = None, **kwargs: Unpack[ClientOptionsArgs]
 ) -> Client:
     """Connects to the running sidecar ``name``. Raises ConnectError when none runs.
-    ``on_unavailable``, ``hung_after`` and ``local_reads``: see :class:`Client`. Over grpc
-    (another host), ``name`` is the target:
+    The options are :class:`kalos.ClientOptions`' fields, as keywords or as ``options=``.
+    Over grpc (another host), ``name`` is the target:
     ``connect("10.0.0.5:7440", transport="grpc", tls=kalos.Tls(...))``."""
-    return Client(
-        name,
-        transport=transport,
-        timeout=timeout,
-        runtime_dir=runtime_dir,
-        arena_bytes=arena_bytes,
-        spin_us=spin_us,
-        gpu_results=gpu_results,
-        on_unavailable=on_unavailable,
-        hung_after=hung_after,
-        tls=tls,
-        local_reads=local_reads,
-    )
+    return Client(name, options=ClientOptions.of(options, kwargs))

@@ -23,6 +23,7 @@ from kalos.errors import ConfigError, InvalidRequest, NotFound
 from kalos.index import Index, create
 from kalos.index.base import RowTable
 from kalos.index.factory import BACKENDS, Backend, known_specs, parse_spec
+from kalos.testing import check_index, check_search
 
 SEED = 20261129
 DIM = 16
@@ -56,88 +57,7 @@ def rng() -> np.random.Generator:
     return np.random.default_rng(SEED)
 
 
-# --- the float64 reference ---
-
-
-def ref_scores(vectors: np.ndarray, query: np.ndarray, metric: str) -> np.ndarray:
-    """Exact scores [n] of one query against vectors [n, dim], in float64."""
-    v = np.asarray(vectors, dtype=np.float64)
-    q = np.asarray(query, dtype=np.float64)
-    if metric == "cosine":
-        v = v / np.linalg.norm(v, axis=1, keepdims=True)
-        q = q / np.linalg.norm(q)
-    if metric == "l2":
-        return np.asarray(((v - q) ** 2).sum(axis=1))
-    return v @ q
-
-
-def matches(scopes: np.ndarray, scope: tuple[int, int, int] | None) -> np.ndarray:
-    """Reference scope filter: an item matches when every non-zero filter field is equal."""
-    ok = np.ones(scopes.shape[0], dtype=bool)
-    if scope is not None:
-        for field, want in enumerate(scope):
-            if want != 0:
-                ok &= scopes[:, field] == want
-    return ok
-
-
-def check_search(
-    result: tuple[np.ndarray, np.ndarray],
-    items: dict[int, tuple[np.ndarray, tuple[int, int, int]]],
-    queries: np.ndarray,
-    k: int,
-    metric: str,
-    scope: tuple[int, int, int] | None = None,
-) -> None:
-    """Hold one search result against the reference over ``items`` (id → (vector, scope))."""
-    scores, ids = result
-    queries = np.atleast_2d(queries)
-    nq = queries.shape[0]
-    assert scores.shape == (nq, k) and ids.shape == (nq, k)
-    assert scores.dtype == np.float32 and ids.dtype == np.int64
-    missing = math.inf if metric == "l2" else -math.inf
-    all_ids = np.array(list(items), dtype=np.int64)
-    if all_ids.size:
-        vecs = np.stack([items[int(i)][0] for i in all_ids])
-        scopes = np.array([items[int(i)][1] for i in all_ids], dtype=np.int64).reshape(-1, 3)
-        keep = matches(scopes, scope)
-        all_ids, vecs = all_ids[keep], vecs[keep]
-    for row in range(nq):
-        kk = min(k, all_ids.shape[0])
-        assert (ids[row, kk:] == -1).all(), "fewer than k matches: the tail must be -1"
-        assert (scores[row, kk:] == missing).all(), f"the tail scores must be {missing}"
-        if kk == 0:
-            continue
-        want = ref_scores(vecs, queries[row], metric)
-        sign = 1.0 if metric == "l2" else -1.0  # sort key: ascending is best first
-        order = np.argsort(sign * want, kind="stable")
-        scale = _score_scale(vecs, queries[row], metric)
-        atol = 1e-5 * scale
-        got_ids = ids[row, :kk]
-        assert (got_ids != -1).all(), "returned -1 although enough items match"
-        assert len(set(got_ids.tolist())) == kk, "an id came back twice"
-        pos = {int(i): p for p, i in enumerate(all_ids)}
-        assert all(int(i) in pos for i in got_ids), "returned an id that is gone or out of scope"
-        got_ref = want[[pos[int(i)] for i in got_ids]]
-        np.testing.assert_allclose(scores[row, :kk], got_ref, rtol=1e-4, atol=atol)
-        # best first (allowing rounding)
-        assert (
-            np.diff(sign * scores[row, :kk].astype(np.float64)) >= -2 * atol - 1e-4 * scale
-        ).all()
-        # the same set as the reference top-k, except where scores tie at the k-th place
-        kth = want[order[kk - 1]]
-        tie = 1e-4 * max(abs(kth), 1.0) + 2 * atol
-        surely_in = all_ids[sign * want < sign * kth - tie]
-        assert set(surely_in.tolist()) <= set(got_ids.tolist()), "missed a true top-k item"
-        assert (sign * got_ref <= sign * kth + tie).all(), "returned an item outside the top-k"
-
-
-def _score_scale(vecs: np.ndarray, q: np.ndarray, metric: str) -> float:
-    if metric == "cosine":
-        return 1.0
-    vmax = float(np.linalg.norm(vecs, axis=1).max())
-    qn = float(np.linalg.norm(q))
-    return max(1.0, (vmax + qn) ** 2 if metric == "l2" else vmax * qn)
+# --- items for the float64 reference (kalos.testing.check_search holds results to it) ---
 
 
 def items_of(ids: np.ndarray, vectors: np.ndarray, scopes: np.ndarray | None = None) -> dict:
@@ -153,6 +73,13 @@ def random_ids(rng: np.random.Generator, n: int) -> np.ndarray:
     ids = np.unique(rng.integers(-(2**62), 2**62, size=n * 2, dtype=np.int64))
     ids = ids[ids != -1]
     return rng.permutation(ids)[:n]
+
+
+# --- the conformance kit every backend must pass (kalos.testing.check_index) ---
+
+
+def test_the_index_kit(spec: str) -> None:
+    check_index(spec)
 
 
 # --- search against the reference ---

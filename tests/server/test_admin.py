@@ -34,10 +34,9 @@ from kalos.server.admin import (  # noqa: E402
     PATHS,
     READYZ_PATH,
     AdminServer,
-    RequestStats,
     SidecarCollector,
-    _request_families,
 )
+from kalos.server.request_stats import RequestStats, request_families  # noqa: E402
 from kalos.testing import RunningSidecar, isolated_sidecar  # noqa: E402
 from kalos.transport.handshake import client_hello, recv_message, send_message  # noqa: E402
 from kalos.transport.uds import recv_exactly  # noqa: E402
@@ -288,7 +287,7 @@ def test_buckets_are_powers_of_two_of_nanoseconds() -> None:
     rs = RequestStats("shm")
     rs.record(5, Status.OK, 1500, 3_000_000, 0)  # queue 1.5 µs, compute 3 ms
     rs.record(500, Status.UNKNOWN_OP, 0, 10, 0)  # an op code out of range counts as unknown
-    families = {f.name: f for f in _request_families({"shm": rs})}
+    families = {f.name: f for f in request_families({"shm": rs})}
     by_stage = {
         (s.labels["stage"], s.labels["le"]): s.value
         for s in families["kalos_request_stage_duration_seconds"].samples

@@ -7,6 +7,7 @@ exception of :mod:`kalos.errors` through :func:`error_for_status`, in this one p
 from __future__ import annotations
 
 import enum
+import numbers
 
 from kalos import errors
 
@@ -19,13 +20,24 @@ PROTOCOL_VERSION = (1, 4)
 MAX_K = 1024  # largest k a search may ask for
 
 
+def check_k(k: object) -> int:
+    """``k`` as the number of hits a search or recall asks for: an integer (numpy's too) in
+    1..:data:`MAX_K`. The client checks it before a request, the sidecar again on receipt.
+    Raises InvalidRequest otherwise."""
+    # type() first: isinstance against the numbers ABC alone measured 2.4 µs a call, this
+    # 0.4 µs (a loaded 2-core VM), and every search pays it
+    if (type(k) is int or isinstance(k, numbers.Integral)) and 1 <= (n := int(k)) <= MAX_K:
+        return n
+    raise errors.InvalidRequest(f"k must be an integer between 1 and {MAX_K}, got {k!r}")
+
+
 class Op(enum.IntEnum):
     PING = 1
     STATS = 2
     ADD = 3  # upsert: an existing id is replaced
     REMOVE = 4
     SEARCH = 5
-    # Sessions (context buffers), agent state and scopes: bodies in messages.py.
+    # Sessions (context buffers), agent state and scopes: bodies in messages/.
     APPEND_TURN = 6
     CONTEXT = 7
     SESSIONS = 8  # list, one page

@@ -26,9 +26,9 @@ from kalos.server.dispatch import GPU_OPS
 from kalos.transport.memory import SharedMemory, create
 
 if TYPE_CHECKING:
-    from kalos.server.admin import RequestStats
     from kalos.server.doorbell import Doorbell
     from kalos.server.durability import Durability
+    from kalos.server.request_stats import RequestStats
 
 log = logging.getLogger("kalos.server")
 

@@ -29,7 +29,7 @@ from kalos.errors import (
 from kalos.protocol import codes
 from kalos.protocol import messages as M
 from kalos.protocol.codes import Op, Status
-from kalos.stores.memories import MemoryStore, check_k
+from kalos.stores.memories import MemoryStore
 from kalos.stores.recall import recall
 from kalos.stores.sessions import SessionStore
 from kalos.stores.state import StateStore
@@ -239,7 +239,7 @@ class Dispatcher:
             return self._search_to_device(flags, body, out)
         req = M.decode_search(body, len(body))
         if not flags & codes.SEARCH_WANT_PAYLOADS:  # the results go straight into the response
-            check_k(req.k)  # a bad k is INVALID_REQUEST, before its response's size is judged
+            codes.check_k(req.k)  # a bad k is INVALID_REQUEST, before its response's size is judged
             n, scores, ids = M.search_response_views(out, len(req.queries), req.k)
             self.memories.search(
                 req.queries, req.k, req.scope, out=(scores, ids), pinned=self.pinned

@@ -48,8 +48,8 @@ from kalos.server.listener import STARTING_HOLD_S
 from kalos.transport.grpc import SERVICE, message_limits
 
 if TYPE_CHECKING:
-    from kalos.server.admin import Metrics, RequestStats
     from kalos.server.durability import Durability
+    from kalos.server.request_stats import Metrics, RequestStats
 
 log = logging.getLogger("kalos.server")
 

@@ -37,8 +37,8 @@ from kalos.transport.handshake import recv_message, send_message
 from kalos.transport.uds import recv_exactly
 
 if TYPE_CHECKING:
-    from kalos.server.admin import Metrics, RequestStats
     from kalos.server.durability import Durability
+    from kalos.server.request_stats import Metrics, RequestStats
     from kalos.stores.session_index import SessionIndex
     from kalos.stores.token_heap import TokenHeap
 

@@ -23,8 +23,9 @@ from kalos.errors import InvalidRequest
 from kalos.index import Index
 from kalos.index.base import RowTable, scope_mask
 from kalos.protocol import codes
-from kalos.protocol.messages import Scope
+from kalos.protocol.codes import check_k
 from kalos.stores.limits import Limits, check_size
+from kalos.types import Scope
 
 if TYPE_CHECKING:
     from kalos.server.gpu_search import GpuResultBuffer, GpuSearch, PinnedArena
@@ -67,11 +68,6 @@ class ScopeCodes:
             if name:
                 codes[i] = self._tables[i].get(name, NO_MATCH)
         return codes[0], codes[1], codes[2]
-
-
-def check_k(k: int) -> None:
-    if not 1 <= k <= codes.MAX_K:
-        raise InvalidRequest(f"k must be between 1 and {codes.MAX_K}, got {k}")
 
 
 class MemoryStore:

@@ -53,16 +53,13 @@ from __future__ import annotations
 import struct
 import zlib
 from bisect import bisect_left
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from kalos import _native
 from kalos.errors import ConfigError
 from kalos.transport.memory import ReadOnlyShared
-
-if TYPE_CHECKING:
-    from kalos.stores.sessions import Session
 
 MAGIC = b"KSIX"
 VERSION = 1
@@ -90,6 +87,31 @@ _crc32 = zlib.crc32
 def index_bytes(slots: int) -> int:
     """The memfd's size for ``slots`` slots."""
     return HEADER_BYTES + slots * SLOT_BYTES
+
+
+class IndexedSession(Protocol):
+    """What the index reads of a session: :class:`kalos.stores.sessions.Session` is one.
+
+    A protocol rather than an import: the session store writes this index, never the other
+    way round.
+    """
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def tenant(self) -> str | None: ...
+    @property
+    def user(self) -> str | None: ...
+    @property
+    def system(self) -> object | None: ...  # a pinned system prompt: such a session has no slot
+    @property
+    def tok_at(self) -> int: ...  # token offset of its heap region; -1: not in the heap
+    @property
+    def tok_cum(self) -> list[int]: ...  # turn ends, token offsets in the region
+    @property
+    def first(self) -> int: ...  # index in tok_cum of the oldest live turn
+    @property
+    def expires_at(self) -> float: ...  # wall-clock seconds since the epoch; inf: none
 
 
 class SessionIndex:
@@ -133,7 +155,7 @@ class SessionIndex:
         if at is not None:
             self._begin(at)
 
-    def put(self, s: Session) -> None:
+    def put(self, s: IndexedSession) -> None:
         """Publishes session ``s`` as it is now (after any change of it), or removes its slot
         when the index cannot hold it (see the module docstring)."""
         key = _key(s)
@@ -197,7 +219,7 @@ class SessionIndex:
         _fence()
         return seq
 
-    def _write(self, at: int, s: Session, key: tuple[bytes, bytes, bytes, int]) -> None:
+    def _write(self, at: int, s: IndexedSession, key: tuple[bytes, bytes, bytes, int]) -> None:
         name, tenant, user, flags = key
         cum = s.tok_cum
         n = len(cum) - 1
@@ -241,7 +263,7 @@ class SessionIndex:
             self._used += 1
 
 
-def _key(s: Session) -> tuple[bytes, bytes, bytes, int] | None:
+def _key(s: IndexedSession) -> tuple[bytes, bytes, bytes, int] | None:
     """(session id, tenant, user, flags) of a session the index can hold, else None."""
     if s.tok_at < 0 or s.system is not None:
         return None

@@ -32,9 +32,9 @@ from kalos.errors import ClosedError, ConfigError, ConnectError, RequestTimeout,
 from kalos.protocol import layout as L
 from kalos.protocol.codes import Status
 from kalos.protocol.messages import encode_text
-from kalos.transport import Tls
 from kalos.transport.base import Response, Transport
 from kalos.transport.handshake import hello_message, refused
+from kalos.transport.tls import Tls
 
 SERVICE = "kalos.v1.Sidecar"
 CALL = f"/{SERVICE}/Call"

@@ -1,0 +1,117 @@
+"""How a client connects and behaves: :class:`ClientOptions`, the one place its options live.
+
+``kalos.connect``, :class:`kalos.Client`, ``kalos.connect_async`` and :class:`kalos.AsyncClient`
+take the same options, either as keywords (``connect(name, timeout=1.0)``) or as one object
+(``connect(name, options=ClientOptions(timeout=1.0))``); keywords given beside ``options``
+override its fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, TypedDict
+
+from kalos.errors import ConfigError
+from kalos.protocol import layout as L
+from kalos.transport.tls import Tls
+
+ON_UNAVAILABLE = ("raise", "degrade")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientOptions:
+    """The options of a client, with their defaults.
+
+    ``transport``: "shm" (default: the request and response travel through shared memory),
+    "uds" (a Unix socket) or "grpc"; for "grpc", the client's ``name`` is the sidecar's grpc
+    target (``host:port`` or ``unix:/path``, see ``kalos serve --grpc``).
+
+    ``timeout``: the default deadline of a call, in seconds (5 s); each call may pass its own.
+
+    ``runtime_dir``: where the sidecar's socket is (None: ``$KALOS_RUNTIME_DIR``, else the
+    user's runtime directory; see :mod:`kalos.paths`).
+
+    ``arena_bytes``: the size of each channel's data arena (1 MiB), the largest request or
+    response body one call moves; negotiated down to the sidecar's limit.
+
+    ``spin_us``: how long a caller spins for a response before parking, in µs (spinning pays
+    when the sidecar has its own core; parking costs a ~25 µs futex wake). None: 50 µs, or
+    200 µs against a sidecar whose index is on a GPU (a search there takes longer than 50 µs,
+    and a parked caller is woken only after the sidecar's stream sync).
+
+    ``gpu_results``: map each channel's GPU result buffer (a cuda sidecar, shm transport, torch
+    installed) so that ``search_gpu`` can hand results over as torch tensors.
+
+    ``on_unavailable``: "raise" (default) or "degrade". A lost sidecar makes a call in flight,
+    or the next call, raise SidecarGone within its deadline; a later call opens a new channel
+    (ConnectError while no sidecar of that name answers). With "degrade", instead of
+    SidecarGone, ConnectError or RequestTimeout, ``search`` returns a SearchResult with every
+    id -1 and ``degraded=True``, ``context`` an empty Context and ``recall`` an empty Recall,
+    both with ``degraded=True``. Every other call still raises (a write must never look done;
+    ping, stats, state, session listings and events have no harmless empty answer), bad input
+    always raises, and making the client connects and raises ConnectError either way.
+
+    ``hung_after``: seconds without a sidecar heartbeat after which a shm channel reports its
+    sidecar hung, as SidecarGone (None: 1 s). Over uds a hung sidecar is a RequestTimeout.
+
+    ``tls``: a :class:`kalos.Tls` to secure the grpc transport (None: plaintext).
+
+    ``local_reads``: over shm, ``context`` with ``turns=False`` computes the window in this
+    process from the sidecar's session index and token heap (shared memory, read-only)
+    instead of sending a request, whenever the index can answer for certain; the sidecar
+    answers otherwise (kalos.stores.session_index). False: every call asks the sidecar.
+
+    Raises ConfigError for an unknown ``on_unavailable``.
+    """
+
+    transport: str = "shm"
+    timeout: float = 5.0
+    runtime_dir: str | None = None
+    arena_bytes: int = L.DEFAULT_ARENA_BYTES
+    spin_us: float | None = None
+    gpu_results: bool = False
+    on_unavailable: str = "raise"
+    hung_after: float | None = None
+    tls: Tls | None = None
+    local_reads: bool = True
+
+    def __post_init__(self) -> None:
+        if self.on_unavailable not in ON_UNAVAILABLE:
+            raise ConfigError(
+                f"on_unavailable must be 'raise' or 'degrade', not {self.on_unavailable!r}"
+            )
+
+    @classmethod
+    def of(cls, options: ClientOptions | None, overrides: Mapping[str, Any]) -> ClientOptions:
+        """``options`` (None: the defaults) with the fields named in ``overrides`` replaced.
+        Raises TypeError for a keyword that is no option, as a function would."""
+        unknown = overrides.keys() - _FIELDS
+        if unknown:
+            raise TypeError(f"unexpected keyword argument {sorted(unknown)[0]!r}")
+        if options is None:
+            return cls(**overrides)
+        if not isinstance(options, ClientOptions):
+            raise ConfigError(f"options must be a kalos.ClientOptions, not {options!r}")
+        return dataclasses.replace(options, **overrides) if overrides else options
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(ClientOptions))
+
+
+class ClientOptionsArgs(TypedDict, total=False):
+    """:class:`ClientOptions`' fields as keywords, for type checkers (``**Unpack[...]``)."""
+
+    transport: str
+    timeout: float
+    runtime_dir: str | None
+    arena_bytes: int
+    spin_us: float | None
+    gpu_results: bool
+    on_unavailable: str
+    hung_after: float | None
+    tls: Tls | None
+    local_reads: bool
+
+
+__all__ = ["ClientOptions", "ClientOptionsArgs"]
