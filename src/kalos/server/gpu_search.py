@@ -451,8 +451,8 @@ class GpuSearch:
                     g = _DeviceResultGraph(index, 1, 10, False, self.staging, buffer, gpu_query)
                     g._ensure(g.prefilter)
             finally:
+                self.stream.synchronize()  # the capture's runs wrote into the buffer
                 buffer.free()
-            self.stream.synchronize()
         return time.perf_counter() - t0
 
     def _warm_channel(self) -> None:
@@ -471,6 +471,8 @@ class GpuSearch:
                 if self.doorbell is not None and graph.publish is not None:
                     self.doorbell.warm(pinned, graph)
             finally:
+                if self.index._on_gpu:  # the capture's runs wrote into the registered arena
+                    self.stream.synchronize()
                 self.unpin(pinned)
         finally:
             ch.mem.close()

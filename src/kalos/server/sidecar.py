@@ -6,7 +6,10 @@ for embedding and tests. On stop it marks the control segment STOPPING, disconne
 client and removes its socket.
 
 With ``data_dir`` (kalos.server.durability) it recovers its stores before it reports READY,
-logs every write before acknowledging it, and takes a last snapshot when it stops cleanly.
+logs every write before acknowledging it, and takes a last snapshot when it stops cleanly
+(if that fits the stop's budget, STOP_BUDGET_S). A cuda sidecar then compiles or loads every
+GPU kernel its searches can need (GpuSearch.warm) before it reports READY, with compiled
+kernels cached on disk (kernel_cache_dir), so that no search after ready waits for a compile.
 """
 
 from __future__ import annotations
@@ -74,6 +77,8 @@ def use_kernel_cache(config: SidecarConfig) -> str | None:
     when a kernel compiles); returns it, or None for Triton's default."""
     path = kernel_cache_dir(config)
     if path is not None:
+        if config.data_dir is not None:  # private, as the durability makes it
+            os.makedirs(config.data_dir, mode=0o700, exist_ok=True)
         os.makedirs(path, mode=0o700, exist_ok=True)
         os.environ["TRITON_CACHE_DIR"] = path
     return path
