@@ -25,8 +25,12 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from triton._C.libtriton import native_specialize_impl
-from triton.backends.compiler import BaseBackend
+
+try:  # Triton's own specialisation of an argument (its JIT's cache key), as the JIT computes it
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+except ImportError:  # pragma: no cover - an older Triton
+    pytest.skip("this triton has no native_specialize_impl", allow_module_level=True)
 
 from cuda_reference import make_index
 from kalos.gpu import driver
