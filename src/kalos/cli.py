@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import signal
@@ -14,6 +15,7 @@ from kalos.server.admin import DEFAULT_ADMIN_PORT
 
 def _serve(args: argparse.Namespace) -> int:
     from kalos.server import Sidecar, SidecarConfig
+    from kalos.server.sidecar import STOP_BUDGET_S
     from kalos.stores.limits import Limits
 
     config = SidecarConfig(
@@ -35,6 +37,8 @@ def _serve(args: argparse.Namespace) -> int:
         token_heap_bytes=int(args.token_heap_mb * 1024) * 1024,
         session_index_slots=args.session_index_slots,
         gpu_doorbell=args.gpu_doorbell,
+        cache_dir=args.cache_dir,
+        reserve=args.reserve,
         # No --admin-port: the default port if it is free; an explicit one must be.
         admin_port=None
         if args.no_admin
@@ -56,7 +60,14 @@ def _serve(args: argparse.Namespace) -> int:
     sidecar = Sidecar(config)
 
     def on_signal(signum: int, frame: object) -> None:
+        if not stopping:
+            stopping.append(signum)
+            # The backstop of the stop's budget (Sidecar.stop): should anything still hold the
+            # process after it, the threads' stacks go to stderr and the process exits (1).
+            faulthandler.dump_traceback_later(STOP_BUDGET_S + 0.8, exit=True)
         sidecar.stop()
+
+    stopping: list[int] = []
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -160,6 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="cuda: the GPU picks a channel's next search of the same shape up itself, with no "
         "sidecar CPU between the client and the kernel (default; --no-gpu-doorbell: every "
         "search goes through the sidecar's poller)",
+    )
+    serve.add_argument(
+        "--cache-dir",
+        default=None,
+        help="cuda: keep the compiled GPU kernels here, so that a restart loads them instead "
+        "of compiling (seconds instead of minutes before ready); default: TRITON_CACHE_DIR "
+        "if set, else DATA_DIR/kernel-cache with --data-dir, else Triton's (~/.triton/cache)",
     )
     serve.add_argument(
         "--token-heap-mb",

@@ -160,8 +160,11 @@ def isolated_sidecar(
         sidecar = RunningSidecar(name, runtime_dir, proc)
         try:
             wait_for_socket(sidecar.socket, proc)
-            if "--data-dir" in extra_args or "--grpc" in extra_args:
-                wait_ready(sidecar.socket, proc)  # recovered; grpc listening
+            cuda = any(a.startswith("cuda") for a in extra_args)
+            if "--data-dir" in extra_args or "--grpc" in extra_args or cuda:
+                # recovered; grpc listening; a cuda sidecar's kernels warm (from a cold
+                # kernel cache, minutes)
+                wait_ready(sidecar.socket, proc, timeout=900.0 if cuda else 120.0)
             yield sidecar
         finally:
             if proc.poll() is None:

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -274,7 +276,8 @@ class CudaFlatIndex:
 
     def _reserve(self, total: int) -> None:
         if total > self._cap:
-            self._alloc(max(total, 2 * self._cap, _MIN_CAPACITY))
+            # a multiple of 16: the kernels' capacity argument keeps one specialisation
+            self._alloc(-(-max(total, 2 * self._cap, _MIN_CAPACITY) // 16) * 16)
 
     def _id_map(self) -> dict[int, int]:
         if self._map is None:
@@ -795,6 +798,142 @@ class CudaFlatIndex:
             f"CudaFlatIndex(spec={self.spec!r}, dim={self.dim}, metric={self.metric!r}, "
             f"n={self._n}, capacity={self._cap}, device={str(self.device)!r})"
         )
+
+    # ------------------------------------------------------------------------------ warm-up
+
+    def warm(
+        self,
+        *,
+        publish: bool = True,
+        gated: bool = True,
+        stop: Callable[[], bool] | None = None,
+    ) -> int:
+        """Compiles (or loads from Triton's disk cache) every kernel variant that a search on
+        this index can launch from now on, whatever it grows to, so that none waits for a
+        compile: each k bucket (``key_width``: the fast path up to its limit, ``score_keys``
+        + ``torch.topk`` above), each batch bucket up to ``max_batch`` (and the tail batch of
+        a larger search), the scope filter on and off, the int8 prefilter (whatever ``n`` is
+        now), with the sequence publish (``publish``) and behind the doorbell's gate
+        (``gated``), and each class of program count the capacity can still reach (the
+        candidates' chunk and list widths follow it). The launches run on a scratch index of
+        the same dim, dtype, metric and launch settings: the live rows are not touched.
+        ``stop``: polled between launches; when it turns true, raises InterruptedError.
+        Returns the number of launches (seconds on the H200 from a warm disk cache; a cold
+        one compiles each variant once)."""
+        torch = self._torch
+        kern = self._k
+        dev = self.device
+        on_gpu = self._on_gpu
+        scratch = CudaFlatIndex(
+            dim=self.dim, metric=self.metric, spec=self.spec, device=str(dev), dtype=self.dtype,
+            scan=self.scan,
+        )  # fmt: skip
+        for name in ("scan_config", "prefilter_config", "prefilter_mode", "prefilter_keep",
+                     "prefilter_lists"):  # fmt: skip
+            setattr(scratch, name, getattr(self, name))
+        scratch.prefilter_min_rows = 0  # its graph below takes the prefilter too
+        rng = np.random.default_rng(0)
+        rows = 64
+        scratch.add(
+            rng.standard_normal((rows, self.dim)).astype(np.float32),
+            np.arange(1, rows + 1, dtype=np.int64),
+            np.tile(np.array([1, 2, 3], dtype=np.int64), (rows, 1)),
+        )
+        batch = self._max_batch
+        queries = torch.from_numpy(rng.standard_normal((batch, self.dim)).astype(np.float32))
+        queries = queries.to(dev)
+        scope = torch.tensor([1, 0, 0], dtype=torch.int64, device=dev)
+        status = torch.zeros(1, dtype=torch.int32)
+        dest = torch.zeros(1, dtype=torch.int64)  # a response's sequence word, in host memory
+        if on_gpu:
+            status, dest = status.pin_memory(), dest.pin_memory()
+        seq = torch.ones(1, dtype=torch.int64, device=dev)
+        gate = torch.zeros(1, dtype=torch.int32, device=dev)  # closed: compiled, scans nothing
+        launches = 0
+
+        def programs_at(cfg: Any, kept: int, cap: int) -> int:
+            # this index's program count at capacity ``cap`` (_programs reads only these)
+            shape = SimpleNamespace(
+                _cap=cap, _sms=self._sms, _on_gpu=on_gpu, scan_config=self.scan_config, _k=kern
+            )
+            return int(CudaFlatIndex._programs(shape, cfg, kept))  # type: ignore[arg-type]
+
+        def program_classes(cfg: Any, kept: int, cap: int, prefilter: bool) -> list[int | None]:
+            # One program count per class of what depends on it: the lists' width (the
+            # prefilter's, as _workspace sets it) and next_pow2(programs * width), which fixes
+            # the chunk of the final selection (scan_topk's CHUNK, merge_topk's). The count
+            # grows with the capacity (never shrinks), up to its value at any size.
+            if cfg is None:  # the general path: no programs
+                return [None]
+            classes: dict[tuple[int, int], int] = {}
+            for p in range(programs_at(cfg, kept, cap), programs_at(cfg, kept, 1 << 40) + 1):
+                if prefilter:
+                    lists = self.prefilter_lists or kern.prefilter_lists(kept, p)
+                    width = kern.key_width(min(lists, kept))
+                else:
+                    width = kern.key_width(kept)
+                classes.setdefault((width, kern.next_pow2(p * width)), p)
+            return list(classes.values())
+
+        def run(nq: int, k: int, scoped: bool, prefilter: bool = False, publishing: bool = False,
+                gating: bool = False, ws_nq: int | None = None) -> None:  # fmt: skip
+            # every class of one variant; ws_nq: the workspace's batch, when larger (a tail)
+            nonlocal launches
+            wnq = ws_nq or nq
+            if prefilter:
+                kept = self._keep(k)
+                cfg = self.prefilter_config or kern.choose_prefilter_config(
+                    self.dim, on_gpu, self.prefilter_mode
+                )
+                cap = max(self._cap, self.prefilter_min_rows)  # it runs only from there on
+            else:
+                kept = k
+                cfg = self._config(wnq, k) if self._fast(wnq, k) else None
+                cap = self._cap
+            for p in program_classes(cfg, kept, cap, prefilter):
+                if stop is not None and stop():
+                    raise InterruptedError("stopped during the kernel warm-up")
+                if p is not None:
+                    scratch._programs = lambda cfg, k, p=p: p  # type: ignore[method-assign,misc]
+                try:
+                    ws = scratch._workspace(wnq, k, private=True, prefilter=prefilter)
+                finally:
+                    scratch.__dict__.pop("_programs", None)
+                scores = torch.empty((nq, k), dtype=torch.float32, device=dev)
+                ids = torch.empty((nq, k), dtype=torch.int64, device=dev)
+                scratch._launch(
+                    queries[:nq], k, scope if scoped else scratch._no_filter, scoped, scores,
+                    ids, ws, status, (seq, dest) if publishing else None,
+                    gate if gating else None,
+                )  # fmt: skip
+                launches += 1
+
+        ks = [kern.key_width(1) << i for i in range(int(math.log2(_MAX_K)))]  # 2 .. 1024
+        nqs = [1 << i for i in range(int(math.log2(batch)) + 1)]  # 1 .. max_batch
+        publishing = publish and bool(kern.publish_ok())
+        with torch.cuda.device(dev) if on_gpu else _nullcontext():
+            for scoped in (False, True):
+                for nq in nqs:
+                    for k in ks:
+                        run(nq, k, scoped)
+                for k in ks:
+                    if self.prefilter_ok(1, k):
+                        run(1, k, scoped, prefilter=True)
+                        if publishing:
+                            run(1, k, scoped, prefilter=True, publishing=True)
+                            if gated:
+                                run(1, k, scoped, True, True, gating=True)
+                for nq in nqs[:-1]:  # the last batch of a search of more than max_batch
+                    for k in ks:
+                        if self._fast(batch, k):
+                            run(nq, k, scoped, ws_nq=batch)
+            # the host path's own work (validation, copies) and one captured graph
+            scratch.search(queries[:1].cpu().numpy(), 10)
+            if on_gpu:
+                graph = scratch.graph(1, 10, prefilter=True)
+                graph.replay_and_wait(torch.cuda.current_stream(dev))
+                torch.cuda.current_stream(dev).synchronize()
+        return launches
 
 
 def create_from_spec(

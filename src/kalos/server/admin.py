@@ -271,6 +271,13 @@ class SidecarCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         device = self._sidecar.config.device
+        warm = getattr(self._sidecar, "warm_seconds", None)
+        if warm is not None:
+            yield GaugeMetricFamily(
+                "kalos_gpu_warm_seconds",
+                "Time the start spent compiling or loading the GPU kernels before ready",
+                value=warm,
+            )
         if not device.startswith("cuda"):
             return
         index = self._sidecar.memories.index

@@ -56,6 +56,10 @@ class SidecarConfig:
     # --no-gpu-doorbell). On the H200, 1M x 128: p99 103.1 µs against 124.2 through the
     # poller, side by side (bench/results/search-gpu-H200.json).
     gpu_doorbell: bool = True
+    # A cuda sidecar's compiled-kernel cache (Triton's TRITON_CACHE_DIR), so that a restart
+    # loads its kernels instead of compiling them (server.sidecar.kernel_cache_dir). None:
+    # TRITON_CACHE_DIR if set, else <data_dir>/kernel-cache, else Triton's default.
+    cache_dir: str | None = None
     limits: Limits = dataclasses.field(default_factory=Limits)
     # The admin HTTP endpoint on 127.0.0.1 (kalos.server.admin): None turns it off; 0 picks a
     # free port. With admin_port_strict False a taken port only logs a warning (the CLI's

@@ -516,6 +516,24 @@ class Doorbell:
         if self._template_for is pinned:
             self._template_for = None
 
+    def warm(self, pinned: PinnedArena, graph: _HostResultGraph) -> None:
+        """Before readiness (GpuSearch.warm): compiles the doorbell's kernel for both wire
+        dtypes of the query, and on a GPU captures its armed graph once, ahead of ``graph``
+        (a search graph of ``pinned``'s channel that publishes), cancelled at once and so
+        taking no request; nothing stays armed."""
+        for esize in (2, 4):
+            armed = ArmedGraph(self, pinned, graph, esize)  # a GPU: compiled and captured
+            if armed.launch is None:  # the interpreter: its compiling run, declined
+                body_len = int(self.arm_np[_BODY_LEN])
+                self.arm_np[_BODY_LEN] = -1
+                self.ctl_np[0] = 1
+                try:
+                    armed.work()
+                finally:
+                    self.ctl_np[:] = 0
+                    self.arm_np[_BODY_LEN] = body_len
+            armed.close()
+
     def stats(self) -> dict[str, Any]:
         return {
             "gpu_doorbell_answered": self.answered,

@@ -527,21 +527,56 @@ class Durability:
             log.exception("the snapshot through LSN %d failed; the log still covers it", lsn)
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def close(self) -> None:
-        """At a clean stop: a final snapshot (when anything was logged), then the log closes."""
+    def close(self, timeout: float | None = None) -> bool:
+        """At a clean stop: a final snapshot (when anything was logged), then the log closes.
+
+        ``timeout`` (seconds, None: no limit) bounds the stop: a snapshot still being
+        finished, or the final one, that has not ended by then is left to the process's exit
+        (it writes into a temporary directory, which the next start removes); the log covers
+        every write, and the next start replays it. Returns whether no snapshot was left
+        running (if one was, it may still read the stores: the caller must not free them)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        writer: threading.Thread | None = None
         try:
-            if not self.wal.refusal():
-                self.snapshot(background=False)
-        except Exception:
-            log.exception("the snapshot at stop failed; the log still covers every write")
-        finally:
             if self._finisher is not None:
-                self._finisher.join()
+                self._finisher.join(left())
+                if self._finisher.is_alive():
+                    log.warning("a snapshot is still being finished: no last snapshot")
+                    writer = self._finisher
+            if writer is None and not self.wal.refusal():
+                writer = threading.Thread(
+                    target=self._last_snapshot, name="kalos-last-snapshot", daemon=True
+                )
+                writer.start()
+                writer.join(left())
+                if writer.is_alive():
+                    log.warning(
+                        "the last snapshot did not finish within %.1f s: left unfinished; the "
+                        "write-ahead log covers every write (the next start replays it)",
+                        timeout,
+                    )
+                else:
+                    writer = None
+        finally:
+            if writer is None and self._finisher is not None:
+                self._finisher.join(left())
             self.wal.close()
-            if self._lock_fd >= 0:
+            # a writer left running keeps the data directory's lock until the process exits
+            if self._lock_fd >= 0 and writer is None:
                 with contextlib.suppress(OSError):
                     os.close(self._lock_fd)
                 self._lock_fd = -1
+        return writer is None
+
+    def _last_snapshot(self) -> None:
+        try:
+            self.snapshot(background=False)
+        except Exception:
+            log.exception("the snapshot at stop failed; the log still covers every write")
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"data_dir": self.data_dir, **self.wal.stats()}

@@ -25,8 +25,9 @@ and the poller publishes as for any other request.
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -49,6 +50,9 @@ GPU_MAX_TOKENS = 131072  # token ids of one GPU-result recall (int32: 512 KiB)
 # response of up to 64 x 1024 hits without payloads.
 PINNED_BYTES = 1 << 20
 _ALIGN = 256
+# Search graphs captured on the live index before readiness (GpuSearch.warm): one query, each
+# of these k, with and without a scope filter.
+WARM_K = (1, 10, 100)
 _monotonic_ns = time.monotonic_ns
 _OK = int(Status.OK)
 _DEVICE_PUBLISHED = int(ResponseFlag.DEVICE_PUBLISHED)
@@ -417,6 +421,62 @@ class GpuSearch:
 
             if doorbell_ok():
                 self.doorbell = Doorbell(index.device)
+
+    def warm(self, stop: Callable[[], bool] | None = None) -> float:
+        """Before readiness: compiles (or loads from Triton's disk cache) every kernel a
+        search can need (:meth:`CudaFlatIndex.warm`), captures the search graphs of the
+        common shapes (:data:`WARM_K`) on the live index, and builds once, on a scratch
+        channel, a graph that writes its response in place and publishes it, the doorbell's
+        armed graph behind it and, on a GPU, the graphs of a GPU result buffer. A channel's
+        own graphs are still captured on its first search of each shape (a capture, some ms:
+        no compile). ``stop``: polled between steps; raises InterruptedError once true.
+        Returns the seconds it took."""
+        t0 = time.perf_counter()
+        index = self.index
+        index.warm(publish=True, gated=self.doorbell is not None, stop=stop)
+        for scoped in (False, True):
+            for k in WARM_K:
+                if stop is not None and stop():
+                    raise InterruptedError("stopped during the kernel warm-up")
+                key = (1, k, scoped)
+                graph = self._graphs.get(key)
+                if graph is None:
+                    graph = self._graphs[key] = _HostResultGraph(index, 1, k, scoped, self.staging)
+                graph._ensure(graph.prefilter)  # the prefilter's part too, whatever n is
+        self._warm_channel()
+        if index._on_gpu:
+            buffer = self.new_result_buffer()
+            try:
+                for gpu_query in (False, True):
+                    g = _DeviceResultGraph(index, 1, 10, False, self.staging, buffer, gpu_query)
+                    g._ensure(g.prefilter)
+            finally:
+                self.stream.synchronize()  # the capture's runs wrote into the buffer
+                buffer.free()
+        return time.perf_counter() - t0
+
+    def _warm_channel(self) -> None:
+        from kalos.protocol import messages as M
+        from kalos.server.channels import ServerChannel
+
+        ch = ServerChannel(0, 0, L.MIN_ARENA_BYTES)
+        try:
+            pinned = self.pin(ch.resp_arena, ch.buf[: L.CHANNEL_HEADER_SIZE], ch.req_arena)
+            try:
+                _, scores, ids = M.search_response_views(ch.resp_arena, 1, 10)
+                graph = _HostResultGraph(
+                    self.index, 1, 10, False, self.staging, (scores, ids), pinned
+                )
+                graph._ensure(graph.prefilter)
+                if self.doorbell is not None and graph.publish is not None:
+                    self.doorbell.warm(pinned, graph)
+            finally:
+                if self.index._on_gpu:  # the capture's runs wrote into the registered arena
+                    self.stream.synchronize()
+                self.unpin(pinned)
+        finally:
+            ch.mem.close()
+            os.close(ch.fd)
 
     def new_result_buffer(self) -> GpuResultBuffer:
         """A GPU result buffer for a new channel (called from the listener's thread)."""

@@ -6,7 +6,10 @@ for embedding and tests. On stop it marks the control segment STOPPING, disconne
 client and removes its socket.
 
 With ``data_dir`` (kalos.server.durability) it recovers its stores before it reports READY,
-logs every write before acknowledging it, and takes a last snapshot when it stops cleanly.
+logs every write before acknowledging it, and takes a last snapshot when it stops cleanly
+(if that fits the stop's budget, STOP_BUDGET_S). A cuda sidecar then compiles or loads every
+GPU kernel its searches can need (GpuSearch.warm) before it reports READY, with compiled
+kernels cached on disk (kernel_cache_dir), so that no search after ready waits for a compile.
 """
 
 from __future__ import annotations
@@ -47,6 +50,38 @@ from kalos.stores.wal import FsyncPolicy
 from kalos.transport.memory import SharedMemory, create
 
 log = logging.getLogger("kalos.server")
+
+# Seconds from stop() (SIGTERM) to a closed sidecar, at most: what a supervisor's grace
+# period can rely on (Kubernetes' default is 30 s, an operator's often 5-10).
+STOP_BUDGET_S = 4.0
+KERNEL_CACHE = "kernel-cache"  # Triton's cache directory under --data-dir
+
+
+def kernel_cache_dir(config: SidecarConfig) -> str | None:
+    """Where a cuda sidecar's compiled kernels are cached: ``config.cache_dir``; else
+    TRITON_CACHE_DIR when the environment sets it; else ``<data_dir>/kernel-cache``; else
+    None (Triton's default, ~/.triton/cache)."""
+    if not config.device.startswith("cuda"):
+        return None
+    if config.cache_dir:
+        return os.path.abspath(config.cache_dir)
+    if os.environ.get("TRITON_CACHE_DIR"):
+        return os.environ["TRITON_CACHE_DIR"]
+    if config.data_dir is not None:
+        return os.path.join(os.path.abspath(config.data_dir), KERNEL_CACHE)
+    return None
+
+
+def use_kernel_cache(config: SidecarConfig) -> str | None:
+    """Creates the kernel cache directory and points Triton at it (TRITON_CACHE_DIR, read
+    when a kernel compiles); returns it, or None for Triton's default."""
+    path = kernel_cache_dir(config)
+    if path is not None:
+        if config.data_dir is not None:  # private, as the durability makes it
+            os.makedirs(config.data_dir, mode=0o700, exist_ok=True)
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        os.environ["TRITON_CACHE_DIR"] = path
+    return path
 
 
 def prepare_runtime_dir(path: str, traversable: bool = False) -> None:
@@ -101,6 +136,10 @@ class Sidecar:
         # A second sidecar of the same name: say so first, before anything else it would
         # start (the admin port's warning, an index, shared memory) hides the cause.
         check_socket_free(self.path)
+        # Where compiled GPU kernels are cached (before any compiles): a restart loads them.
+        self.kernel_cache_dir = use_kernel_cache(config)
+        self.warm_seconds: float | None = None  # a cuda sidecar's warm-up (GpuSearch.warm)
+        self._stop_at: float | None = None  # when stop() was first called (monotonic)
         # One tokenizer for turns and memories sent without token ids.
         tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer is not None else None
         self.memories = MemoryStore(
@@ -216,6 +255,7 @@ class Sidecar:
             "refused": listener.refused if listener else 0,
             "rejected": dict(listener.rejected) if listener else {},  # handshakes, by error
             "admin_port": self.admin.port if self.admin is not None else None,
+            "warm_seconds": self.warm_seconds,
             "grpc": list(self.grpc.addresses) if self.grpc is not None else [],
             **({"durability": self.durability.stats()} if self.durability is not None else {}),
             **(door.stats() if (door := self.poller.doorbell) is not None else {}),
@@ -271,6 +311,8 @@ class Sidecar:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.path)
                 raise
+        if self.gpu is not None and not self._warm():
+            return  # stopped meanwhile: serve() and start() close at once
         self.listener.ready.set()
         _native.store_release(self.control.addr + L.CTRL_STATE, L.STATE_READY)
         log.info(
@@ -281,6 +323,21 @@ class Sidecar:
             self.config.dim,
             self.config.metric,
         )
+
+    def _warm(self) -> bool:
+        """Before readiness: every kernel and the common graphs of a cuda sidecar's searches
+        (GpuSearch.warm), so that no search after ready waits for a compile. False when the
+        sidecar was stopped meanwhile."""
+        assert self.gpu is not None
+        cache = self.kernel_cache_dir or "Triton's default"
+        log.info("warming the GPU kernels (kernel cache: %s)", cache)
+        try:  # no request is served yet: the dispatch lock is not needed
+            self.warm_seconds = self.gpu.warm(stop=lambda: self.poller.stopping)
+        except InterruptedError:
+            log.info("stopped during the kernel warm-up")
+            return False
+        log.info("GPU kernels warm in %.1f s", self.warm_seconds)
+        return True
 
     def _open_grpc(self, listener: Listener) -> None:
         """Starts the grpc listener (before recovery: it holds handshakes until ready)."""
@@ -322,27 +379,35 @@ class Sidecar:
         return self
 
     def stop(self) -> None:
-        """Asks the poller to finish; safe from a signal handler or another thread."""
+        """Asks the poller to finish; safe from a signal handler or another thread. The
+        sidecar has closed within STOP_BUDGET_S of the first call (a warm-up or a last
+        snapshot that would take longer is cut short)."""
+        if self._stop_at is None:
+            self._stop_at = time.monotonic()
         self.poller.stop()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._stopped.wait(timeout=5)
+            self._stopped.wait(timeout=STOP_BUDGET_S + 1)
 
     def _close(self) -> None:
         _native.store_release(self.control.addr + L.CTRL_STATE, L.STATE_STOPPING)
+        deadline = (self._stop_at or time.monotonic()) + STOP_BUDGET_S
         if self.grpc is not None:
             self.grpc.close()
         if self.listener is not None:
             self.listener.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+        finished = True
         if self.durability is not None:
-            self.durability.close()  # a last snapshot, then the log closes
+            # a last snapshot if it fits the budget, then the log closes
+            finished = self.durability.close(timeout=max(0.5, deadline - time.monotonic()))
         if self.admin is not None:
             self.admin.close()
-        if self.token_heap is not None:
-            self.token_heap.close()  # its memory goes with the last client's mapping
-        if self.session_index is not None:
-            self.session_index.close()
+        if finished:  # else a snapshot writer may still read them: they go with the process
+            if self.token_heap is not None:
+                self.token_heap.close()  # its memory goes with the last client's mapping
+            if self.session_index is not None:
+                self.session_index.close()
         self._stopped.set()
         log.info("kalos sidecar %r stopped", self.config.name)
 

@@ -435,7 +435,22 @@ def _publish_seq(seq_ptr, pub_ptr, exact, MODE: tl.constexpr):
 # ---------------------------------------------------------------------------------- kernels
 
 
-@triton.jit
+# Arguments that take other values as the index grows or by (batch, k) within one bucket, or
+# whose alignment depends on where the caller's buffers lie (a response arena's results): not
+# specialised (Triton's ==1 and divisible-by-16 keys), so that no search after the warm-up
+# (CudaFlatIndex.warm) needs a new compile. None of them is on a row loop's address path; the
+# capacity is (a multiple of 16: CudaFlatIndex._reserve), and so keeps its key.
+_SCAN_DYNAMIC = (
+    "q_ptr", "filt_ptr", "ticket_ptr", "scores_ptr", "out_ids_ptr", "status_ptr", "seq_ptr",
+    "pub_ptr", "gate_ptr", "trace_ptr", "RSTRIDE", "nq", "k", "kf", "kg", "stride_os",
+    "stride_oi",
+)  # fmt: skip
+_MERGE_DYNAMIC = ("q_ptr", "scores_ptr", "out_ids_ptr", "NCAND", "k", "stride_os", "stride_oi",
+                  "RSTRIDE")  # fmt: skip
+_KEYS_DYNAMIC = ("filt_ptr", "q_ptr", "nq")
+
+
+@triton.jit(do_not_specialize=_SCAN_DYNAMIC)
 def _scan_topk_kernel(
     db_ptr,  # db: [cap, D] fp16 | bf16 | fp32, row-major
     sq_ptr,  # sqnorms: [cap] fp32, |x|^2 of the stored rows (read when METRIC == 2)
@@ -889,7 +904,7 @@ def _write_top(
     tl.store(out_ids_ptr + qid * stride_oi + kk, ids, mask=wm)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_MERGE_DYNAMIC)
 def _merge_topk_kernel(
     cand_ptr,  # cand: [nq, NCAND] int64 keys (SELECT) or [nq, NCAND] sorted keys (not SELECT)
     thr_ptr,  # thr: [REPL * RSTRIDE] int64, read then reset to KEY_NONE here (when SELECT)
@@ -921,7 +936,7 @@ def _merge_topk_kernel(
     )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_KEYS_DYNAMIC)
 def _score_keys_kernel(
     db_ptr,  # db: [cap, D]
     sq_ptr,  # sqnorms: [cap] fp32
