@@ -41,7 +41,6 @@ from kalos.server.channels import ServerChannel
 from kalos.server.doorbell import ArmedGraph
 from kalos.server.gpu_search import GPU_MAX_HITS, GpuSearch
 
-DIM = 64
 THRESHOLD = 1500  # the prefilter's, lowered: the index grows past it
 
 
@@ -103,8 +102,8 @@ def registry(monkeypatch):
     return reg
 
 
-@pytest.fixture
-def gpu(monkeypatch):
+@pytest.fixture(params=[64, 272], ids=["int8-prefilter", "4bit-cascade"])
+def gpu(monkeypatch, request):
     """A GpuSearch with its doorbell over an interpreted index (no CUDA: host registration
     is recorded, page-locking is a no-op, the stream is None)."""
     registered: list[int] = []
@@ -114,9 +113,11 @@ def gpu(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **kw: self)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **kw: None)
     # The launch shapes a GPU would take (nothing runs here): they differ by batch and k
-    from kalos.index.kernels import scan_topk
+    from kalos.index.kernels import codes4, scan_topk
 
     choose, choose_prefilter = scan_topk.choose_config, scan_topk.choose_prefilter_config
+    choose4 = codes4.choose_config
+    monkeypatch.setattr(codes4, "choose_config", lambda d, on_gpu: choose4(d, True))
     monkeypatch.setattr(
         scan_topk, "choose_config", lambda d, e, nq, k, on_gpu: choose(d, e, nq, k, True)
     )
@@ -125,7 +126,7 @@ def gpu(monkeypatch):
         "choose_prefilter_config",
         lambda d, on_gpu, mode=2: choose_prefilter(d, True, mode),
     )
-    index = make_index("ip", "fp16", DIM, "cpu")
+    index = make_index("ip", "fp16", request.param, "cpu")  # 272: the 4-bit cascade's dims
     index._sms = 16  # more programs, as on a GPU: the count changes as the capacity grows
     index.prefilter_min_rows = THRESHOLD
     gpu = GpuSearch(index, doorbell=True)
@@ -139,7 +140,7 @@ def grow(index, n: int, rng: np.random.Generator) -> None:
     scopes = np.zeros((m, 3), np.int64)
     scopes[:, 0] = rng.integers(1, 3, m)
     ids = np.arange(len(index), n, dtype=np.int64) + 1
-    index.add(rng.standard_normal((m, DIM)).astype(np.float32), ids, scopes)
+    index.add(rng.standard_normal((m, index.dim)).astype(np.float32), ids, scopes)
 
 
 class Channel:
@@ -151,7 +152,7 @@ class Channel:
         self.pinned = gpu.pin(self.ch.resp_arena, self.ch.buf[: L.CHANNEL_HEADER_SIZE],
                               self.ch.req_arena)  # fmt: skip
         self.buffer = SimpleNamespace(
-            query=torch.zeros((gpu.max_batch, DIM)),
+            query=torch.zeros((gpu.max_batch, gpu.index.dim)),
             scores=torch.zeros(GPU_MAX_HITS),
             ids=torch.zeros(GPU_MAX_HITS, dtype=torch.int64),
             graphs={},
@@ -169,7 +170,7 @@ def random_searches(gpu: GpuSearch, channel: Channel, rng: np.random.Generator, 
         k = int(rng.integers(1, _MAX_K + 1)) if rng.random() < 0.5 else int(rng.integers(1, 33))
         nq = 1 if rng.random() < 0.4 else int(rng.integers(1, batch + 1))
         scope = (int(rng.integers(1, 3)), 0, 0) if rng.random() < 0.5 else None
-        q = rng.standard_normal((nq, DIM)).astype(np.float32)
+        q = rng.standard_normal((nq, index.dim)).astype(np.float32)
         path = rng.integers(0, 5)
         if path == 0:  # host results through the staging graphs (uds, grpc)
             gpu.search(q, k, scope)
@@ -189,7 +190,7 @@ def random_searches(gpu: GpuSearch, channel: Channel, rng: np.random.Generator, 
                 continue
             gpu.search_to_device(channel.buffer, None if rng.random() < 0.5 else q, nq, k, scope)
         elif path == 3:  # more queries than a graph takes: the index's batches
-            big = rng.standard_normal((int(rng.integers(batch + 1, 3 * batch)), DIM))
+            big = rng.standard_normal((int(rng.integers(batch + 1, 3 * batch)), index.dim))
             index.search(big.astype(np.float32), k, scope=scope)
         else:  # the plain host path of one batch
             index.search(q, k, scope=scope)
@@ -224,8 +225,8 @@ def test_no_search_after_the_warm_up_launches_a_variant_it_missed(gpu, registry)
 
 
 def test_odd_capacities_are_rounded_to_a_multiple_of_16():
-    index = make_index("ip", "fp16", DIM, "cpu")
+    index = make_index("ip", "fp16", 64, "cpu")
     index.reserve(5001)
     assert index.capacity == 5008
-    index.add(np.zeros((5009, DIM), np.float32), np.arange(5009, dtype=np.int64) + 1)
+    index.add(np.zeros((5009, 64), np.float32), np.arange(5009, dtype=np.int64) + 1)
     assert index.capacity % 16 == 0 and index.capacity >= 5009

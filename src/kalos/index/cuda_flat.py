@@ -843,7 +843,7 @@ class CudaFlatIndex:
         queries = torch.from_numpy(rng.standard_normal((batch, self.dim)).astype(np.float32))
         queries = queries.to(dev)
         scope = torch.tensor([1, 0, 0], dtype=torch.int64, device=dev)
-        status = torch.zeros(1, dtype=torch.int32)
+        status = torch.zeros(2, dtype=torch.int32)  # a graph's verdict and candidates
         dest = torch.zeros(1, dtype=torch.int64)  # a response's sequence word, in host memory
         if on_gpu:
             status, dest = status.pin_memory(), dest.pin_memory()
@@ -880,6 +880,9 @@ class CudaFlatIndex:
             # every class of one variant; ws_nq: the workspace's batch, when larger (a tail)
             nonlocal launches
             wnq = ws_nq or nq
+            if prefilter and self.scan == "4bit":
+                run4(k, scoped)
+                return
             if prefilter:
                 kept = self._keep(k)
                 cfg = self.prefilter_config or kern.choose_prefilter_config(
@@ -908,6 +911,31 @@ class CudaFlatIndex:
                 )  # fmt: skip
                 launches += 1
 
+        def run4(k: int, scoped: bool) -> None:
+            # the 4-bit cascade: its bounds pass and its exact pass each take a program count
+            # of their own (_workspace4), so every class of each, paired up
+            nonlocal launches
+            cfg4 = self.prefilter_config or self._c4.choose_config(self.dim, on_gpu)
+            cap = max(self._cap, self.prefilter_min_rows)  # it runs only from there on
+            bounds = program_classes(cfg4, k, cap, False)
+            exact = program_classes(self._config(1, k), k, cap, False)
+            for i in range(max(len(bounds), len(exact))):
+                if stop is not None and stop():
+                    raise InterruptedError("stopped during the kernel warm-up")
+                p4, p1 = bounds[min(i, len(bounds) - 1)], exact[min(i, len(exact) - 1)]
+                scratch._programs = (  # type: ignore[method-assign]
+                    lambda cfg, k, p4=p4, p1=p1: p1 if cfg.fused else p4
+                )
+                try:
+                    ws = scratch._workspace(1, k, private=True, prefilter=True)
+                finally:
+                    scratch.__dict__.pop("_programs", None)
+                scores = torch.empty((1, k), dtype=torch.float32, device=dev)
+                ids = torch.empty((1, k), dtype=torch.int64, device=dev)
+                scratch._launch(queries[:1], k, scope if scoped else scratch._no_filter, scoped,
+                                scores, ids, ws, status)  # fmt: skip
+                launches += 1
+
         ks = [kern.key_width(1) << i for i in range(int(math.log2(_MAX_K)))]  # 2 .. 1024
         nqs = [1 << i for i in range(int(math.log2(batch)) + 1)]  # 1 .. max_batch
         publishing = publish and bool(kern.publish_ok())
@@ -919,7 +947,7 @@ class CudaFlatIndex:
                 for k in ks:
                     if self.prefilter_ok(1, k):
                         run(1, k, scoped, prefilter=True)
-                        if publishing:
+                        if publishing and self.scan == "int8":  # (the cascade's do not publish)
                             run(1, k, scoped, prefilter=True, publishing=True)
                             if gated:
                                 run(1, k, scoped, True, True, gating=True)

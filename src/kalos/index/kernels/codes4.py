@@ -199,7 +199,7 @@ def _prep_kernel(
             tl.store(qf_ptr + 1, nrm * (1.0 + 1e-5))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("kg", "RSTRIDE"))
 def _emit_kernel(
     up_ptr,  # upper: [cap] fp32, the bounds pass's
     n_ptr,  # n: [1] int32, live rows
