@@ -152,9 +152,7 @@ class CudaFlatIndex:
         self.prefilter_lists: int | None = None
         # prefiltered graphs take the int8 scan from this many live rows on (below it the
         # full scan is as fast: kernels.PREFILTER_MIN_ROWS)
-        self.prefilter_min_rows = (
-            CODES4_MIN_ROWS if scan == "4bit" else kernels.PREFILTER_MIN_ROWS
-        )
+        self.prefilter_min_rows = CODES4_MIN_ROWS if scan == "4bit" else kernels.PREFILTER_MIN_ROWS
         # a [programs + 1, 8] int64 tensor that fused scans launched from now on fill with
         # where their time goes (kernels.scan_topk's trace; scripts/search_gpu_phases.py)
         self.trace: Any = None
@@ -495,10 +493,10 @@ class CudaFlatIndex:
         else:
             scores, ids = out
         filt, scoped = self._filter_tensor(scope)
-        if nq == 1 and self.scan == "4bit" and self._n >= self.prefilter_min_rows:
-            if self.prefilter_ok(1, k):
-                self._launch(q, k, filt, scoped, scores, ids, self._workspace(1, k, prefilter=True))
-                return scores, ids
+        cascade = nq == 1 and self.scan == "4bit" and self._n >= self.prefilter_min_rows
+        if cascade and self.prefilter_ok(1, k):
+            self._launch(q, k, filt, scoped, scores, ids, self._workspace(1, k, prefilter=True))
+            return scores, ids
         batch = self._max_batch
         ws = self._workspace(min(nq, batch), k)
         for lo in range(0, nq, batch):
@@ -634,8 +632,9 @@ class CudaFlatIndex:
             ),
             "upper": torch.empty(self._cap, dtype=torch.float32, device=dev),
             "qc": torch.zeros((c4.chunks(self.dim), 2, 32, 16), dtype=torch.int8, device=dev),
-            "qf": torch.zeros(c4.QF_FIXED + 2 * c4.chunks(self.dim), dtype=torch.float32,
-                              device=dev),  # fmt: skip
+            "qf": torch.zeros(
+                c4.QF_FIXED + 2 * c4.chunks(self.dim), dtype=torch.float32, device=dev
+            ),
             "count": torch.zeros(1, dtype=torch.int32, device=dev),
             "rows": torch.zeros(self._cap, dtype=torch.int32, device=dev),
             "emit_ticket": torch.zeros(1, dtype=torch.int32, device=dev),
@@ -923,9 +922,11 @@ class CudaFlatIndex:
                 if stop is not None and stop():
                     raise InterruptedError("stopped during the kernel warm-up")
                 p4, p1 = bounds[min(i, len(bounds) - 1)], exact[min(i, len(exact) - 1)]
-                scratch._programs = (  # type: ignore[method-assign]
-                    lambda cfg, k, p4=p4, p1=p1: p1 if cfg.fused else p4
-                )
+
+                def programs(cfg: Any, k: int, p4: int | None = p4, p1: int | None = p1) -> Any:
+                    return p1 if cfg.fused else p4
+
+                scratch._programs = programs  # type: ignore[method-assign]
                 try:
                     ws = scratch._workspace(1, k, private=True, prefilter=True)
                 finally:

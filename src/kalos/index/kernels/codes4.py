@@ -116,19 +116,18 @@ def encode(x: Any, mean: Any, rot: Any) -> tuple[Any, Any]:
         xd = x[lo : lo + step].double()
         y = (xd - mean[None, :]) @ rot.T  # [m, D4]
         amax = y.abs().amax(dim=1)
-        best_err = best_c = best_s = None
-        for a in (1.0, 0.85, 0.7, 0.55):
+        # the first scale, then each of the others where it leaves less error
+        best_s = torch.where(amax > 0, amax / 7.0, torch.ones_like(amax)).float().double()
+        best_c = (y / best_s[:, None]).round().clamp(-7, 7)
+        best_err = (y - best_c * best_s[:, None]).norm(dim=1)
+        for a in (0.85, 0.7, 0.55):
             s = torch.where(amax > 0, amax * (a / 7.0), torch.ones_like(amax)).float().double()
             c = (y / s[:, None]).round().clamp(-7, 7)
             err = (y - c * s[:, None]).norm(dim=1)
-            if best_err is None:
-                best_err, best_c, best_s = err, c, s
-            else:
-                better = err < best_err
-                best_err = torch.where(better, err, best_err)
-                best_c = torch.where(better[:, None], c, best_c)
-                best_s = torch.where(better, s, best_s)
-        assert best_c is not None and best_s is not None and best_err is not None
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_c = torch.where(better[:, None], c, best_c)
+            best_s = torch.where(better, s, best_s)
         yhat = (best_c * best_s[:, None]).norm(dim=1)
         width = best_err + slack * (yhat + xd.norm(dim=1) + mean_norm)
         nib = (best_c + 8).to(torch.uint8).view(-1, nch, 2, 32)  # [m, chunk, half, byte]
