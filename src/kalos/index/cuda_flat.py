@@ -48,9 +48,9 @@ from kalos.errors import ConfigError, InvalidRequest, NotFound
 _METRICS = {"ip": 0, "cosine": 1, "l2": 2}
 _DTYPES = ("fp16", "bf16", "fp32")
 _SCANS = ("auto", "4bit", "int8", "full")
-# scan=auto: the 4-bit cascade where it measured faster than the int8 prefilter and the full
-# scan (1M x 384 real text embeddings on the H200: 163 µs against the full scan's 248, graph
-# replay), the int8 prefilter elsewhere (below 257 dims; above, int8 is the full scan)
+# scan=auto: the 4-bit cascade where it measured faster than the full scan (real-384 1M on the
+# H200: 161.1 µs against 242.9, graph replays, bench/results/search-gpu-H200.json), the int8
+# prefilter elsewhere (below 257 dims; above, int8 is the full scan)
 _CODES4_DIMS = (257, 512)
 _FP16_MAX = 65504.0
 _MAX_K = 1024
