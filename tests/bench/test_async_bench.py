@@ -13,7 +13,7 @@ def test_async_bench(tmp_path) -> None:
          "--concurrency", "4", "--out", str(tmp_path), "--machine", "test", "--quiet"]
     )  # fmt: skip
     assert args.func(args) == 0
-    (path,) = tmp_path.glob("async-test-*.json")
+    (path,) = tmp_path.glob("async-test*.json")
     result = json.loads(path.read_text())
     rows = {r["system"]: r for r in result["rows"]}
     assert set(rows) == {"sync", "async", "sync-x4", "async-x4"}

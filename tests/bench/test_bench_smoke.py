@@ -32,7 +32,7 @@ def _bench(tmp_path, *argv: str) -> tuple[int, dict]:
         ["bench", *argv, "--out", str(tmp_path), "--machine", "test", "--quiet"]
     )
     rc = args.func(args)
-    (path,) = tmp_path.glob(f"{argv[0]}-test-*.json")
+    (path,) = tmp_path.glob(f"{argv[0]}-test*.json")
     assert path.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     return rc, json.loads(path.read_text())
 

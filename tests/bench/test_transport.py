@@ -21,7 +21,7 @@ def test_transport_bench_rows_ratios_and_quantiles(tmp_path: Path) -> None:
     # In a process of its own: its client processes' barrier maps shared memory (/dev/shm),
     # which tests/server/test_security.py must not find in the test process.
     subprocess.run([sys.executable, "-m", "kalos", *argv], check=True, timeout=600)
-    (path,) = tmp_path.glob("transport-t-*.json")
+    (path,) = tmp_path.glob("transport-t*.json")
     result = json.loads(path.read_text())
     systems = ["kalos-shm", "kalos-uds", "kalos-grpc", "kalos-grpc-unix"]
     assert [(r["system"], r["concurrency"]) for r in result["rows"]] == [
