@@ -114,3 +114,9 @@ RESP_FRAME = struct.Struct("<QIIQQQQ")  # 48 bytes
 # deadline field: the deadline travels as the grpc call's own. A response is RESP_FRAME then
 # body_len bytes, as over uds.
 GRPC_REQ_FRAME = struct.Struct("<QIIQQ")  # 32 bytes
+
+# A channel's GPU result buffer (a cuda sidecar's, handed to the client over CUDA IPC): room
+# for this many queries and hits (nq * k), and token ids of one GPU-result recall (int32).
+GPU_MAX_QUERIES = 64
+GPU_MAX_HITS = 16384
+GPU_MAX_TOKENS = 131072

@@ -42,10 +42,11 @@ from kalos.protocol.codes import ResponseFlag, Status
 if TYPE_CHECKING:
     from kalos.server.doorbell import ArmedGraph, Doorbell
 
-# Per-channel GPU result buffer: room for this many queries and hits (nq * k).
-GPU_MAX_QUERIES = 64
-GPU_MAX_HITS = 16384
-GPU_MAX_TOKENS = 131072  # token ids of one GPU-result recall (int32: 512 KiB)
+# Per-channel GPU result buffer: room for this many queries and hits (nq * k), token ids of
+# one GPU-result recall (int32: 512 KiB); the protocol's layout owns them
+GPU_MAX_QUERIES = L.GPU_MAX_QUERIES
+GPU_MAX_HITS = L.GPU_MAX_HITS
+GPU_MAX_TOKENS = L.GPU_MAX_TOKENS
 # Registered bytes at the start of each shm channel's response arena (PinnedArena): a SEARCH
 # response of up to 64 x 1024 hits without payloads.
 PINNED_BYTES = 1 << 20

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import os
 import sqlite3
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -23,13 +23,31 @@ from kalos.errors import InvalidRequest
 from kalos.index import Index
 from kalos.index.base import RowTable, scope_mask
 from kalos.protocol import codes
+from kalos.protocol import layout as L
 from kalos.protocol.codes import check_k
 from kalos.stores.limits import Limits, check_size
 from kalos.types import Scope
 
 if TYPE_CHECKING:
-    from kalos.server.gpu_search import GpuResultBuffer, GpuSearch, PinnedArena
     from kalos.stores.sessions import Tokenizer
+
+
+class GpuSearcher(Protocol):
+    """What the store and its dispatcher ask of a cuda sidecar's GPU search
+    (kalos.server.gpu_search.GpuSearch, set by the sidecar): host results, GPU results into a
+    channel's buffer and their batch limit, and settling the GPU before other work on it.
+    The store imports nothing of the server's."""
+
+    max_batch: int
+
+    def settle(self) -> None: ...
+
+    def search(self, queries: np.ndarray, k: int, scope: Any, out: Any = None,
+               pinned: Any = None) -> tuple[np.ndarray, np.ndarray]: ...  # fmt: skip
+
+    def search_to_device(self, buffer: Any, queries: np.ndarray | None, nq: int, k: int,
+                         scope: Any) -> None: ...  # fmt: skip
+
 
 NO_MATCH = -1  # a filter code that no item carries: a scope name never seen
 
@@ -85,7 +103,7 @@ class MemoryStore:
         self._quota = self._max_items is not None or self._max_bytes is not None
         self._tenant_items: dict[int, int] = {}  # tenant code -> items
         self._tenant_bytes: dict[int, int] = {}  # tenant code -> vector + payload bytes
-        self.gpu: GpuSearch | None = None  # set by the sidecar when the index is on a GPU
+        self.gpu: GpuSearcher | None = None  # set by the sidecar when the index is on a GPU
         self.scopes = ScopeCodes()
         self._payloads: dict[int, tuple[int, bytes]] = {}
         self._payload_bytes = 0
@@ -277,7 +295,7 @@ class MemoryStore:
         k: int,
         scope: Scope | None,
         out: tuple[np.ndarray, np.ndarray] | None = None,
-        pinned: PinnedArena | None = None,
+        pinned: Any = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Exact top-k: (scores [nq, k] f32, ids [nq, k] i64; -1 where fewer matched).
 
@@ -298,7 +316,7 @@ class MemoryStore:
         return out
 
     def search_to_device(
-        self, buffer: GpuResultBuffer, queries: np.ndarray | None, nq: int, k: int,
+        self, buffer: Any, queries: np.ndarray | None, nq: int, k: int,
         scope: Scope | None,
     ) -> None:  # fmt: skip
         """Exact top-k into a channel's GPU result buffer (GPU index only). ``queries`` None:
@@ -309,12 +327,10 @@ class MemoryStore:
         if queries is not None:
             self.check_vectors(queries, "the query")
         check_k(k)
-        from kalos.server.gpu_search import GPU_MAX_HITS
-
-        if not 1 <= nq <= self.gpu.max_batch or nq * k > GPU_MAX_HITS:
+        if not 1 <= nq <= self.gpu.max_batch or nq * k > L.GPU_MAX_HITS:
             raise InvalidRequest(
                 f"a GPU-result search takes 1..{self.gpu.max_batch} queries and at most "
-                f"{GPU_MAX_HITS} results, got {nq} x {k}"
+                f"{L.GPU_MAX_HITS} results, got {nq} x {k}"
             )
         self.gpu.search_to_device(buffer, queries, nq, k, self.scopes.filter(scope))
 
