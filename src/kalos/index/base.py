@@ -21,7 +21,7 @@ Conventions every backend keeps (the conformance tests in ``tests/index`` pin th
 from __future__ import annotations
 
 import math
-from typing import Protocol, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -289,10 +289,87 @@ def scope_mask(columns: np.ndarray, scope: ScopeFilter) -> np.ndarray:
     return mask
 
 
+# --- the half of a row-table backend that is not scoring ---------------------------------------
+
+
+class RowIndex:
+    """Spec checks, a :class:`RowTable` of the items, and the verbs that only touch the table.
+
+    A backend subclass names its ``kind`` (``"cpu:flat"``), scores the table's rows in
+    ``search`` and keeps any per-row data of its own in ``add``/``remove``/``reset``;
+    ``__init__`` ends with ``reset()`` so that an override sets that data up too.
+    """
+
+    kind: ClassVar[str]  # the spec it answers to, without options: "cpu:flat"
+
+    def __init__(
+        self,
+        spec: str | None = None,
+        *,
+        dim: int,
+        metric: str = "ip",
+        device_index: int | None = None,
+        options: tuple[str, ...] = (),
+    ) -> None:
+        spec = self.kind if spec is None else spec
+        if device_index is not None:
+            raise ConfigError(f"{spec!r}: the cpu device takes no index")
+        if options:
+            raise ConfigError(f"{spec!r}: {self.kind} takes no options; got {options}")
+        self.spec = spec
+        self.dim, self.metric = check_config(dim, metric)
+        self._table = RowTable(self.dim)  # vectors [capacity, dim] float32, ids, scopes
+        self.reset()
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(spec={self.spec!r}, dim={self.dim},"
+            f" metric={self.metric!r}, n={len(self)})"
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated for vectors, ids and scopes (capacity, not live)."""
+        return self._table.nbytes
+
+    def add(self, vectors: object, ids: object, scopes: object = None) -> None:
+        vecs, keys, scope_rows = check_batch(vectors, ids, scopes, self.dim, self.metric)
+        self._table.upsert(keys, scope_rows, vecs)
+
+    def remove(self, ids: object) -> int:
+        return self._table.remove(check_ids(ids))[0]
+
+    def reset(self) -> None:
+        self._table.reset()
+
+    def reconstruct(self, ids: object) -> np.ndarray:
+        return self._table.reconstruct(check_ids(ids))
+
+    def dump(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self._table.dump()
+
+    def _search_args(
+        self, queries: object, k: object, scope: object
+    ) -> tuple[np.ndarray, int, ScopeFilter | None]:
+        """A search's arguments checked: (queries [nq, dim] float32, k, filter or None).
+
+        For ``"cosine"`` the queries come back unit-normalised.
+        """
+        q = check_queries(queries, self.dim)
+        checked_k, filt = check_k(k), check_scope_filter(scope)
+        if self.metric == "cosine":
+            q = normalise_rows(q, "queries")
+        return q, checked_k, filt
+
+
 __all__ = [
     "METRICS",
     "NO_ID",
     "Index",
+    "RowIndex",
     "RowTable",
     "ScopeFilter",
     "check_batch",

@@ -16,22 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kalos.errors import ConfigError
-
-from .base import (
-    NO_ID,
-    ScopeFilter,
-    check_batch,
-    check_config,
-    check_ids,
-    check_k,
-    check_queries,
-    check_scope_filter,
-    missing_score,
-    normalise_rows,
-    scope_mask,
-)
-from .rows import RowTable
+from .base import NO_ID, RowIndex, ScopeFilter, check_batch, check_ids, missing_score, scope_mask
 
 SAMPLE_STRIDE = 32
 """Top-k takes its threshold from every 32nd score (about 32*k candidates survive)."""
@@ -74,37 +59,13 @@ def top_k_2d(scores: np.ndarray, k: int) -> np.ndarray:
     return np.take_along_axis(part, order, axis=1)
 
 
-class CpuFlatIndex:
+class CpuFlatIndex(RowIndex):
     """Exact top-k over float32 vectors in numpy (BLAS). Spec ``"cpu:flat"``; no options."""
 
-    def __init__(
-        self,
-        spec: str = "cpu:flat",
-        *,
-        dim: int,
-        metric: str = "ip",
-        device_index: int | None = None,
-        options: tuple[str, ...] = (),
-    ) -> None:
-        if device_index is not None:
-            raise ConfigError(f"{spec!r}: the cpu device takes no index")
-        if options:
-            raise ConfigError(f"{spec!r}: cpu:flat takes no options; got {options}")
-        self.spec = spec
-        self.dim, self.metric = check_config(dim, metric)
-        self._table = RowTable(self.dim)  # vectors [capacity, dim], ids, scopes
-        # l2 ranks by q·x - |x|²/2 (same order as |q - x|², one product instead of a difference)
-        self._half_sqnorms = np.empty(0, dtype=np.float32)  # [capacity], l2 only
-        self._scores = np.empty(0, dtype=np.float32)  # [capacity] scratch for nq == 1
-
-    def __len__(self) -> int:
-        return len(self._table)
-
-    def __repr__(self) -> str:
-        return (
-            f"CpuFlatIndex(spec={self.spec!r}, dim={self.dim}, metric={self.metric!r},"
-            f" n={len(self)})"
-        )
+    kind = "cpu:flat"
+    # l2 ranks by q·x - |x|²/2 (same order as |q - x|², one product instead of a difference)
+    _half_sqnorms: np.ndarray  # [capacity] float32, l2 only
+    _scores: np.ndarray  # [capacity] float32 scratch for nq == 1
 
     @property
     def nbytes(self) -> int:
@@ -127,7 +88,7 @@ class CpuFlatIndex:
         return removed
 
     def reset(self) -> None:
-        self._table.reset()
+        super().reset()
         self._half_sqnorms = np.empty(0, dtype=np.float32)
         self._scores = np.empty(0, dtype=np.float32)
 
@@ -147,11 +108,7 @@ class CpuFlatIndex:
     def search(
         self, queries: object, k: int, *, scope: ScopeFilter | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
-        q = check_queries(queries, self.dim)  # [nq, dim] float32
-        k = check_k(k)
-        filt = check_scope_filter(scope)
-        if self.metric == "cosine":
-            q = normalise_rows(q, "queries")
+        q, k, filt = self._search_args(queries, k, scope)  # q: [nq, dim] float32
         nq = q.shape[0]
         n = len(self._table)
         if n == 0:
@@ -246,12 +203,6 @@ class CpuFlatIndex:
         dist = np.einsum("bkd,bkd->bk", diff, diff)
         order = np.argsort(dist, axis=1, kind="stable")
         return np.take_along_axis(winners, order, axis=1), np.take_along_axis(dist, order, axis=1)
-
-    def reconstruct(self, ids: object) -> np.ndarray:
-        return self._table.reconstruct(check_ids(ids))
-
-    def dump(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return self._table.dump()
 
 
 __all__ = ["CpuFlatIndex", "top_k_1d", "top_k_2d"]

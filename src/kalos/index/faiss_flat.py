@@ -19,22 +19,9 @@ from contextlib import contextmanager
 import faiss
 import numpy as np
 
-from kalos.errors import ConfigError, ServerError
+from kalos.errors import ServerError
 
-from .base import (
-    NO_ID,
-    ScopeFilter,
-    check_batch,
-    check_config,
-    check_ids,
-    check_k,
-    check_queries,
-    check_scope_filter,
-    missing_score,
-    normalise_rows,
-    scope_mask,
-)
-from .rows import RowTable
+from .base import NO_ID, RowIndex, ScopeFilter, missing_score, scope_mask
 
 
 @contextmanager
@@ -46,62 +33,18 @@ def _faiss_errors(what: str) -> Iterator[None]:
         raise ServerError(f"faiss {what} failed: {exc}") from exc
 
 
-class FaissFlatIndex:
-    """Exact top-k through FAISS's flat kernels. Spec ``"cpu:faiss-flat"``; no options."""
+class FaissFlatIndex(RowIndex):
+    """Exact top-k through FAISS's flat kernels. Spec ``"cpu:faiss-flat"``; no options.
 
-    def __init__(
-        self,
-        spec: str = "cpu:faiss-flat",
-        *,
-        dim: int,
-        metric: str = "ip",
-        device_index: int | None = None,
-        options: tuple[str, ...] = (),
-    ) -> None:
-        if device_index is not None:
-            raise ConfigError(f"{spec!r}: the cpu device takes no index")
-        if options:
-            raise ConfigError(f"{spec!r}: cpu:faiss-flat takes no options; got {options}")
-        self.spec = spec
-        self.dim, self.metric = check_config(dim, metric)
-        self._table = RowTable(self.dim)  # vectors [capacity, dim], ids, scopes
+    Writes, ``reconstruct`` and ``dump`` are the row table's (:class:`RowIndex`).
+    """
 
-    def __len__(self) -> int:
-        return len(self._table)
-
-    def __repr__(self) -> str:
-        return (
-            f"FaissFlatIndex(spec={self.spec!r}, dim={self.dim}, metric={self.metric!r},"
-            f" n={len(self)})"
-        )
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes allocated for vectors, ids and scopes (capacity, not live)."""
-        return self._table.nbytes
-
-    # --- writes ---------------------------------------------------------------------------
-
-    def add(self, vectors: object, ids: object, scopes: object = None) -> None:
-        vecs, keys, scope_rows = check_batch(vectors, ids, scopes, self.dim, self.metric)
-        self._table.upsert(keys, scope_rows, vecs)
-
-    def remove(self, ids: object) -> int:
-        return self._table.remove(check_ids(ids))[0]
-
-    def reset(self) -> None:
-        self._table.reset()
-
-    # --- reads ----------------------------------------------------------------------------
+    kind = "cpu:faiss-flat"
 
     def search(
         self, queries: object, k: int, *, scope: ScopeFilter | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
-        q = check_queries(queries, self.dim)  # [nq, dim] float32
-        k = check_k(k)
-        filt = check_scope_filter(scope)
-        if self.metric == "cosine":
-            q = normalise_rows(q, "queries")
+        q, k, filt = self._search_args(queries, k, scope)  # q: [nq, dim] float32
         nq = q.shape[0]
         missing = missing_score(self.metric)
         out_scores = np.full((nq, k), missing, dtype=np.float32)
@@ -143,12 +86,6 @@ class FaissFlatIndex:
         else:
             faiss.knn_inner_product(*args, *out, selector)
         return dist, rows
-
-    def reconstruct(self, ids: object) -> np.ndarray:
-        return self._table.reconstruct(check_ids(ids))
-
-    def dump(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return self._table.dump()
 
 
 __all__ = ["FaissFlatIndex"]
