@@ -295,9 +295,11 @@ def scope_mask(columns: np.ndarray, scope: ScopeFilter) -> np.ndarray:
 class RowIndex:
     """Spec checks, a :class:`RowTable` of the items, and the verbs that only touch the table.
 
-    A backend subclass names its ``kind`` (``"cpu:flat"``), scores the table's rows in
-    ``search`` and keeps any per-row data of its own in ``add``/``remove``/``reset``;
-    ``__init__`` ends with ``reset()`` so that an override sets that data up too.
+    ``search`` checks its arguments and the scope filter here, then hands the backend's
+    :meth:`_search_rows` the matched rows. A backend subclass names its ``kind``
+    (``"cpu:flat"``), scores in ``_search_rows`` and keeps any per-row data of its own in
+    ``add``/``remove``/``reset``; ``__init__`` ends with ``reset()`` so that an override sets
+    that data up too.
     """
 
     kind: ClassVar[str]  # the spec it answers to, without options: "cpu:flat"
@@ -351,18 +353,40 @@ class RowIndex:
     def dump(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return self._table.dump()
 
-    def _search_args(
-        self, queries: object, k: object, scope: object
-    ) -> tuple[np.ndarray, int, ScopeFilter | None]:
-        """A search's arguments checked: (queries [nq, dim] float32, k, filter or None).
-
-        For ``"cosine"`` the queries come back unit-normalised.
-        """
-        q = check_queries(queries, self.dim)
-        checked_k, filt = check_k(k), check_scope_filter(scope)
+    def search(
+        self, queries: object, k: int, *, scope: ScopeFilter | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        q = check_queries(queries, self.dim)  # [nq, dim] float32
+        k = check_k(k)
+        filt = check_scope_filter(scope)
         if self.metric == "cosine":
             q = normalise_rows(q, "queries")
-        return q, checked_k, filt
+        n = len(self._table)
+        mask: np.ndarray | None = None  # [n] bool, the rows a scope filter matched
+        matched = n
+        if n and filt is not None:
+            mask = scope_mask(self._table.scope_columns, filt)
+            matched = int(np.count_nonzero(mask))
+        if matched == 0:
+            return self._no_results(q.shape[0], k)
+        return self._search_rows(q, k, mask if matched < n else None, matched)
+
+    def _search_rows(
+        self, q: np.ndarray, k: int, mask: np.ndarray | None, matched: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The backend's scan: checked queries q [nq, dim] float32 over the table's rows.
+
+        ``mask`` [n] bool marks the rows a scope filter matched (None: every row), and
+        ``matched`` (at least 1) counts them. Returns ``search``'s (scores, ids) [nq, k].
+        """
+        raise NotImplementedError
+
+    def _no_results(self, nq: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(scores, ids) [nq, k] with no result in any slot."""
+        return (
+            np.full((nq, k), missing_score(self.metric), dtype=np.float32),
+            np.full((nq, k), NO_ID, dtype=np.int64),
+        )
 
 
 __all__ = [

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import NO_ID, RowIndex, ScopeFilter, check_batch, check_ids, missing_score, scope_mask
+from .base import RowIndex, check_batch, check_ids
 
 SAMPLE_STRIDE = 32
 """Top-k takes its threshold from every 32nd score (about 32*k candidates survive)."""
@@ -105,33 +105,24 @@ class CpuFlatIndex(RowIndex):
 
     # --- reads ----------------------------------------------------------------------------
 
-    def search(
-        self, queries: object, k: int, *, scope: ScopeFilter | None = None
+    def _search_rows(
+        self, q: np.ndarray, k: int, mask: np.ndarray | None, matched: int
     ) -> tuple[np.ndarray, np.ndarray]:
-        q, k, filt = self._search_args(queries, k, scope)  # q: [nq, dim] float32
         nq = q.shape[0]
         n = len(self._table)
-        if n == 0:
-            return self._missing(nq, k)
-
         # rows: the candidate rows when a selective scope filter narrows the scan, else None
         rows: np.ndarray | None = None
         reject: np.ndarray | None = None  # [n] bool, rows to exclude from a full scan
-        matched = n
-        if filt is not None:
-            mask = scope_mask(self._table.scope_columns, filt)
-            matched = int(np.count_nonzero(mask))
-            if matched == 0:
-                return self._missing(nq, k)
+        if mask is not None:
             if matched < GATHER_BELOW * n:
                 rows = np.flatnonzero(mask)
-            elif matched < n:
+            else:
                 reject = ~mask
         kk = min(k, matched)
         if kk == k:  # every slot gets a result
             out_scores, out_ids = np.empty((nq, k), np.float32), np.empty((nq, k), np.int64)
         else:
-            out_scores, out_ids = self._missing(nq, k)
+            out_scores, out_ids = self._no_results(nq, k)
 
         if nq == 1:
             winners, best = self._scan_one(q[0], kk, rows, reject)
@@ -145,13 +136,6 @@ class CpuFlatIndex(RowIndex):
                 out_ids[start:stop, :kk] = self._table.ids[winners2]
                 out_scores[start:stop, :kk] = best2
         return out_scores, out_ids
-
-    def _missing(self, nq: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """(scores, ids) [nq, k] with no result in any slot."""
-        return (
-            np.full((nq, k), missing_score(self.metric), dtype=np.float32),
-            np.full((nq, k), NO_ID, dtype=np.int64),
-        )
 
     def _scan_one(
         self, q: np.ndarray, k: int, rows: np.ndarray | None, reject: np.ndarray | None

@@ -21,7 +21,7 @@ import numpy as np
 
 from kalos.errors import ServerError
 
-from .base import NO_ID, RowIndex, ScopeFilter, missing_score, scope_mask
+from .base import NO_ID, RowIndex, missing_score
 
 
 @contextmanager
@@ -41,34 +41,20 @@ class FaissFlatIndex(RowIndex):
 
     kind = "cpu:faiss-flat"
 
-    def search(
-        self, queries: object, k: int, *, scope: ScopeFilter | None = None
+    def _search_rows(
+        self, q: np.ndarray, k: int, mask: np.ndarray | None, matched: int
     ) -> tuple[np.ndarray, np.ndarray]:
-        q, k, filt = self._search_args(queries, k, scope)  # q: [nq, dim] float32
-        nq = q.shape[0]
-        missing = missing_score(self.metric)
-        out_scores = np.full((nq, k), missing, dtype=np.float32)
-        out_ids = np.full((nq, k), NO_ID, dtype=np.int64)
-        n = len(self._table)
-        if n == 0:
-            return out_scores, out_ids
-
         selector = None
-        matched = n
-        if filt is not None:
-            mask = scope_mask(self._table.scope_columns, filt)
-            matched = int(np.count_nonzero(mask))
-            if matched == 0:
-                return out_scores, out_ids
-            if matched < n:
-                bits = np.packbits(mask, bitorder="little")  # IDSelectorBitmap's bit order
-                selector = faiss.IDSelectorBitmap(n, faiss.swig_ptr(bits))
+        if mask is not None:
+            bits = np.packbits(mask, bitorder="little")  # IDSelectorBitmap's bit order
+            selector = faiss.IDSelectorBitmap(mask.shape[0], faiss.swig_ptr(bits))
         kk = min(k, matched)
         with _faiss_errors("search"):
             dist, rows = self._scan(q, kk, selector)  # [nq, kk] each
+        out_scores, out_ids = self._no_results(q.shape[0], k)
         found = rows >= 0
         out_ids[:, :kk] = np.where(found, self._table.ids[np.where(found, rows, 0)], NO_ID)
-        out_scores[:, :kk] = np.where(found, dist, missing)  # faiss pads with ±FLT_MAX
+        out_scores[:, :kk] = np.where(found, dist, missing_score(self.metric))  # not ±FLT_MAX
         return out_scores, out_ids
 
     def _scan(
