@@ -54,7 +54,7 @@ class FaissFlatIndex(RowIndex):
         out_scores, out_ids = self._no_results(q.shape[0], k)
         found = rows >= 0
         out_ids[:, :kk] = np.where(found, self._table.ids[np.where(found, rows, 0)], NO_ID)
-        out_scores[:, :kk] = np.where(found, dist, missing_score(self.metric))  # not ±FLT_MAX
+        out_scores[:, :kk] = np.where(found, dist, missing_score(self.metric))  # faiss: ±FLT_MAX
         return out_scores, out_ids
 
     def _scan(
