@@ -21,11 +21,13 @@ Conventions every backend keeps (the conformance tests in ``tests/index`` pin th
 from __future__ import annotations
 
 import math
-from typing import Protocol, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
 from kalos.errors import ConfigError, InvalidRequest
+
+from .rows import RowTable, grown_capacity  # the backends' row storage, importable from here too
 
 ScopeFilter = tuple[int, int, int]
 """``(tenant, user, session)``; 0 matches anything, a non-zero field must equal the item's."""
@@ -253,6 +255,28 @@ def last_occurrences(ids: np.ndarray) -> np.ndarray | None:
     return np.sort(ids.shape[0] - 1 - first_in_reversed)
 
 
+def check_batch(
+    vectors: object, ids: object, scopes: object, dim: int, metric: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """An add's batch → (vectors [m, dim] float32, ids [m] int64, scopes [m, 3] int64) to store.
+
+    Validated (InvalidRequest), unit-normalised for ``"cosine"``, and one row per id: inside
+    the batch the last occurrence of an id wins, so ``m`` may be less than the batch's n.
+    """
+    vecs = check_vectors(vectors, dim)
+    n = vecs.shape[0]
+    keys = check_ids(ids, n, storing=True)
+    scope_rows = check_scopes(scopes, n)
+    if n == 0:
+        return vecs, keys, scope_rows
+    if metric == "cosine":
+        vecs = normalise_rows(vecs, "vectors")
+    keep = last_occurrences(keys)
+    if keep is not None:
+        vecs, keys, scope_rows = vecs[keep], keys[keep], scope_rows[keep]
+    return vecs, keys, scope_rows
+
+
 def scope_mask(columns: np.ndarray, scope: ScopeFilter) -> np.ndarray:
     """Which items match ``scope``: columns is [3, n] int64 (tenant, user, session rows)."""
     mask: np.ndarray | None = None
@@ -265,127 +289,114 @@ def scope_mask(columns: np.ndarray, scope: ScopeFilter) -> np.ndarray:
     return mask
 
 
-# --- dense id and scope rows ------------------------------------------------------------------
+# --- the half of a row-table backend that is not scoring ---------------------------------------
 
 
-class RowTable:
-    """Ids and scopes of live items in dense rows ``0..n-1``, plus the id → row map.
+class RowIndex:
+    """Spec checks, a :class:`RowTable` of the items, and the verbs that only touch the table.
 
-    Backends keep their vectors in the same row order: :meth:`upsert` tells them which row
-    each incoming item lands in, and :meth:`remove` which rows moved to fill the holes (the
-    last rows move down, so storage stays dense and a scan never meets a hole). Capacity
-    grows by doubling, so adding n items costs amortised O(n) copying.
+    ``search`` checks its arguments and the scope filter here, then hands the backend's
+    :meth:`_search_rows` the matched rows. A backend subclass names its ``kind``
+    (``"cpu:flat"``), scores in ``_search_rows`` and keeps any per-row data of its own in
+    ``add``/``remove``/``reset``; ``__init__`` ends with ``reset()`` so that an override sets
+    that data up too.
     """
 
-    def __init__(self) -> None:
-        self._row_of: dict[int, int] = {}
-        self._n = 0
-        self._ids = np.empty(0, dtype=np.int64)  # [capacity]
-        self._scopes = np.empty((3, 0), dtype=np.int64)  # [3, capacity]: one row per field
+    kind: ClassVar[str]  # the spec it answers to, without options: "cpu:flat"
+
+    def __init__(
+        self,
+        spec: str | None = None,
+        *,
+        dim: int,
+        metric: str = "ip",
+        device_index: int | None = None,
+        options: tuple[str, ...] = (),
+    ) -> None:
+        spec = self.kind if spec is None else spec
+        if device_index is not None:
+            raise ConfigError(f"{spec!r}: the cpu device takes no index")
+        if options:
+            raise ConfigError(f"{spec!r}: {self.kind} takes no options; got {options}")
+        self.spec = spec
+        self.dim, self.metric = check_config(dim, metric)
+        self._table = RowTable(self.dim)  # vectors [capacity, dim] float32, ids, scopes
+        self.reset()
 
     def __len__(self) -> int:
-        return self._n
+        return len(self._table)
 
-    @property
-    def capacity(self) -> int:
-        return int(self._ids.shape[0])
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(spec={self.spec!r}, dim={self.dim},"
+            f" metric={self.metric!r}, n={len(self)})"
+        )
 
     @property
     def nbytes(self) -> int:
-        return int(self._ids.nbytes + self._scopes.nbytes)
+        """Bytes allocated for vectors, ids and scopes (capacity, not live)."""
+        return self._table.nbytes
 
-    @property
-    def ids(self) -> np.ndarray:
-        """ids [n] int64 of the live rows (a view)."""
-        return self._ids[: self._n]
+    def add(self, vectors: object, ids: object, scopes: object = None) -> None:
+        vecs, keys, scope_rows = check_batch(vectors, ids, scopes, self.dim, self.metric)
+        self._table.upsert(keys, scope_rows, vecs)
 
-    @property
-    def scope_columns(self) -> np.ndarray:
-        """[3, n] int64 view: tenant, user and session of every live row."""
-        return self._scopes[:, : self._n]
-
-    def rows_of(self, ids: np.ndarray) -> np.ndarray:
-        """rows [n] int64 of ids [n]; -1 where the id is not present."""
-        get = self._row_of.get
-        return np.fromiter((get(i, -1) for i in ids.tolist()), dtype=np.int64, count=len(ids))
-
-    def upsert(self, ids: np.ndarray, scopes: np.ndarray) -> np.ndarray:
-        """Place unique ids [m] with scopes [m, 3]; returns the row of each.
-
-        Ids already present keep their row (their scope is replaced); new ids take rows
-        ``n, n+1, ...`` in batch order, so a backend can append their vectors as one block.
-        """
-        rows = self.rows_of(ids)
-        new = rows < 0
-        n_new = int(new.sum())
-        if n_new:
-            first = self._n
-            self._reserve(first + n_new)
-            rows[new] = np.arange(first, first + n_new, dtype=np.int64)
-            new_ids = ids[new]
-            self._ids[first : first + n_new] = new_ids
-            self._row_of.update(zip(new_ids.tolist(), range(first, first + n_new), strict=True))
-            self._n = first + n_new
-        self._scopes[:, rows] = scopes.T
-        return rows
-
-    def remove(self, ids: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
-        """Drop ids [m] (unknown ones ignored) → (how many were present, holes, movers).
-
-        The caller must copy its vector row ``movers[i]`` into row ``holes[i]``; after that,
-        rows ``0..len(self)-1`` are the live ones. Ids and scopes are already moved here.
-        """
-        pop = self._row_of.pop
-        unique = np.unique(ids)
-        gone = np.fromiter((pop(i, -1) for i in unique.tolist()), np.int64, unique.shape[0])
-        gone = gone[gone >= 0]
-        if gone.shape[0] == 0:
-            empty = np.empty(0, dtype=np.int64)
-            return 0, empty, empty
-        old_n = self._n
-        new_n = old_n - gone.shape[0]
-        holes = gone[gone < new_n]
-        tail_free = np.ones(old_n - new_n, dtype=bool)
-        tail_free[gone[gone >= new_n] - new_n] = False
-        movers = np.flatnonzero(tail_free) + new_n  # live rows beyond the new end, ascending
-        holes.sort()
-        self._ids[holes] = self._ids[movers]
-        self._scopes[:, holes] = self._scopes[:, movers]
-        self._row_of.update(zip(self._ids[holes].tolist(), holes.tolist(), strict=True))
-        self._n = new_n
-        return int(gone.shape[0]), holes, movers
+    def remove(self, ids: object) -> int:
+        return self._table.remove(check_ids(ids))[0]
 
     def reset(self) -> None:
-        self._row_of = {}
-        self._n = 0
-        self._ids = np.empty(0, dtype=np.int64)
-        self._scopes = np.empty((3, 0), dtype=np.int64)
+        self._table.reset()
 
-    def _reserve(self, need: int) -> None:
-        if need <= self.capacity:
-            return
-        capacity = grown_capacity(self.capacity, need)
-        ids = np.empty(capacity, dtype=np.int64)
-        ids[: self._n] = self._ids[: self._n]
-        scopes = np.empty((3, capacity), dtype=np.int64)
-        scopes[:, : self._n] = self._scopes[:, : self._n]
-        self._ids, self._scopes = ids, scopes
+    def reconstruct(self, ids: object) -> np.ndarray:
+        return self._table.reconstruct(check_ids(ids))
 
+    def dump(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self._table.dump()
 
-MIN_CAPACITY = 64
+    def search(
+        self, queries: object, k: int, *, scope: ScopeFilter | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        q = check_queries(queries, self.dim)  # [nq, dim] float32
+        k = check_k(k)
+        filt = check_scope_filter(scope)
+        if self.metric == "cosine":
+            q = normalise_rows(q, "queries")
+        n = len(self._table)
+        mask: np.ndarray | None = None  # [n] bool, the rows a scope filter matched
+        matched = n
+        if n and filt is not None:
+            mask = scope_mask(self._table.scope_columns, filt)
+            matched = int(np.count_nonzero(mask))
+        if matched == 0:
+            return self._no_results(q.shape[0], k)
+        return self._search_rows(q, k, mask if matched < n else None, matched)
 
+    def _search_rows(
+        self, q: np.ndarray, k: int, mask: np.ndarray | None, matched: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The backend's scan: checked queries q [nq, dim] float32 over the table's rows.
 
-def grown_capacity(current: int, need: int) -> int:
-    """Capacity after growing to hold ``need`` rows: at least double, at least MIN_CAPACITY."""
-    return max(need, 2 * current, MIN_CAPACITY)
+        ``mask`` [n] bool marks the rows a scope filter matched (None: every row), and
+        ``matched`` (at least 1) counts them. Returns ``search``'s (scores, ids) [nq, k].
+        """
+        raise NotImplementedError
+
+    def _no_results(self, nq: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(scores, ids) [nq, k] with no result in any slot."""
+        return (
+            np.full((nq, k), missing_score(self.metric), dtype=np.float32),
+            np.full((nq, k), NO_ID, dtype=np.int64),
+        )
 
 
 __all__ = [
     "METRICS",
     "NO_ID",
     "Index",
+    "RowIndex",
     "RowTable",
     "ScopeFilter",
+    "check_batch",
     "check_config",
     "check_ids",
     "check_k",

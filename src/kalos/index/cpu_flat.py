@@ -1,8 +1,9 @@
 """Exact search in numpy: spec ``"cpu:flat"``.
 
-Vectors sit in one float32 matrix ``[capacity, dim]`` whose first ``len(index)`` rows are live
-(removal moves the last rows into the holes), so a search is one BLAS matrix-vector product
-over contiguous memory followed by a top-k selection of the winners only.
+Vectors sit in the float32 matrix ``[capacity, dim]`` of a :class:`~kalos.index.rows.RowTable`,
+whose first ``len(index)`` rows are live (removal moves the last rows into the holes), so a
+search is one BLAS matrix-vector product over contiguous memory followed by a top-k selection
+of the winners only. This module keeps the scoring; the table keeps the rows.
 
 Top-k selection, measured on the 2-core CI VM (100K float32 scores): ``np.argpartition`` over
 all of them took ~0.8 ms, as long as a third of the product itself; taking a threshold from a
@@ -15,25 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kalos.errors import ConfigError, NotFound
-
-from .base import (
-    NO_ID,
-    RowTable,
-    ScopeFilter,
-    check_config,
-    check_ids,
-    check_k,
-    check_queries,
-    check_scope_filter,
-    check_scopes,
-    check_vectors,
-    grown_capacity,
-    last_occurrences,
-    missing_score,
-    normalise_rows,
-    scope_mask,
-)
+from .base import RowIndex, check_batch, check_ids
 
 SAMPLE_STRIDE = 32
 """Top-k takes its threshold from every 32nd score (about 32*k candidates survive)."""
@@ -76,132 +59,70 @@ def top_k_2d(scores: np.ndarray, k: int) -> np.ndarray:
     return np.take_along_axis(part, order, axis=1)
 
 
-class CpuFlatIndex:
+class CpuFlatIndex(RowIndex):
     """Exact top-k over float32 vectors in numpy (BLAS). Spec ``"cpu:flat"``; no options."""
 
-    def __init__(
-        self,
-        spec: str = "cpu:flat",
-        *,
-        dim: int,
-        metric: str = "ip",
-        device_index: int | None = None,
-        options: tuple[str, ...] = (),
-    ) -> None:
-        if device_index is not None:
-            raise ConfigError(f"{spec!r}: the cpu device takes no index")
-        if options:
-            raise ConfigError(f"{spec!r}: cpu:flat takes no options; got {options}")
-        self.spec = spec
-        self.dim, self.metric = check_config(dim, metric)
-        self._table = RowTable()
-        self._vectors = np.empty((0, self.dim), dtype=np.float32)  # [capacity, dim]
-        # l2 ranks by q·x - |x|²/2 (same order as |q - x|², one product instead of a difference)
-        self._half_sqnorms = np.empty(0, dtype=np.float32)  # [capacity], l2 only
-        self._scores = np.empty(0, dtype=np.float32)  # [capacity] scratch for nq == 1
-
-    def __len__(self) -> int:
-        return len(self._table)
-
-    def __repr__(self) -> str:
-        return (
-            f"CpuFlatIndex(spec={self.spec!r}, dim={self.dim}, metric={self.metric!r},"
-            f" n={len(self)})"
-        )
+    kind = "cpu:flat"
+    # l2 ranks by q·x - |x|²/2 (same order as |q - x|², one product instead of a difference)
+    _half_sqnorms: np.ndarray  # [capacity] float32, l2 only
+    _scores: np.ndarray  # [capacity] float32 scratch for nq == 1
 
     @property
     def nbytes(self) -> int:
         """Bytes allocated for vectors, ids, scopes and per-row scratch (capacity, not live)."""
-        return int(
-            self._vectors.nbytes
-            + self._half_sqnorms.nbytes
-            + self._scores.nbytes
-            + self._table.nbytes
-        )
+        return int(self._table.nbytes + self._half_sqnorms.nbytes + self._scores.nbytes)
 
     # --- writes ---------------------------------------------------------------------------
 
     def add(self, vectors: object, ids: object, scopes: object = None) -> None:
-        vecs = check_vectors(vectors, self.dim)
-        n = vecs.shape[0]
-        keys = check_ids(ids, n, storing=True)
-        scope_rows = check_scopes(scopes, n)
-        if n == 0:
-            return
-        if self.metric == "cosine":
-            vecs = normalise_rows(vecs, "vectors")
-        keep = last_occurrences(keys)
-        if keep is not None:  # duplicate ids in the batch: the last one wins
-            vecs, keys, scope_rows = vecs[keep], keys[keep], scope_rows[keep]
-        live = len(self._table)
-        rows = self._table.upsert(keys, scope_rows)
-        self._reserve(self._table.capacity, live)
-        self._vectors[rows] = vecs
+        vecs, keys, scope_rows = check_batch(vectors, ids, scopes, self.dim, self.metric)
+        rows = self._table.upsert(keys, scope_rows, vecs)
+        self._follow_capacity()
         if self.metric == "l2":
             self._half_sqnorms[rows] = 0.5 * np.einsum("ij,ij->i", vecs, vecs)
 
     def remove(self, ids: object) -> int:
-        keys = check_ids(ids)
-        removed, holes, movers = self._table.remove(keys)
-        if holes.shape[0]:
-            self._vectors[holes] = self._vectors[movers]
-            if self.metric == "l2":
-                self._half_sqnorms[holes] = self._half_sqnorms[movers]
+        removed, holes, movers = self._table.remove(check_ids(ids))
+        if holes.shape[0] and self.metric == "l2":
+            self._half_sqnorms[holes] = self._half_sqnorms[movers]
         return removed
 
     def reset(self) -> None:
-        self._table.reset()
-        self._vectors = np.empty((0, self.dim), dtype=np.float32)
+        super().reset()
         self._half_sqnorms = np.empty(0, dtype=np.float32)
         self._scores = np.empty(0, dtype=np.float32)
 
-    def _reserve(self, capacity: int, n: int) -> None:
-        """Grow the per-row arrays to the table's capacity (which doubles), keeping n rows."""
-        if self._vectors.shape[0] >= capacity:
+    def _follow_capacity(self) -> None:
+        """Grow the per-row arrays of this backend to the table's capacity (which doubles)."""
+        capacity = self._table.capacity
+        if self._scores.shape[0] >= capacity:
             return
-        capacity = grown_capacity(self._vectors.shape[0], capacity)
-        vectors = np.empty((capacity, self.dim), dtype=np.float32)
-        vectors[:n] = self._vectors[:n]
-        self._vectors = vectors
         if self.metric == "l2":
             half = np.empty(capacity, dtype=np.float32)
-            half[:n] = self._half_sqnorms[:n]
+            half[: self._half_sqnorms.shape[0]] = self._half_sqnorms
             self._half_sqnorms = half
         self._scores = np.empty(capacity, dtype=np.float32)
 
     # --- reads ----------------------------------------------------------------------------
 
-    def search(
-        self, queries: object, k: int, *, scope: ScopeFilter | None = None
+    def _search_rows(
+        self, q: np.ndarray, k: int, mask: np.ndarray | None, matched: int
     ) -> tuple[np.ndarray, np.ndarray]:
-        q = check_queries(queries, self.dim)  # [nq, dim] float32
-        k = check_k(k)
-        filt = check_scope_filter(scope)
-        if self.metric == "cosine":
-            q = normalise_rows(q, "queries")
         nq = q.shape[0]
         n = len(self._table)
-        if n == 0:
-            return self._missing(nq, k)
-
         # rows: the candidate rows when a selective scope filter narrows the scan, else None
         rows: np.ndarray | None = None
         reject: np.ndarray | None = None  # [n] bool, rows to exclude from a full scan
-        matched = n
-        if filt is not None:
-            mask = scope_mask(self._table.scope_columns, filt)
-            matched = int(np.count_nonzero(mask))
-            if matched == 0:
-                return self._missing(nq, k)
+        if mask is not None:
             if matched < GATHER_BELOW * n:
                 rows = np.flatnonzero(mask)
-            elif matched < n:
+            else:
                 reject = ~mask
         kk = min(k, matched)
         if kk == k:  # every slot gets a result
             out_scores, out_ids = np.empty((nq, k), np.float32), np.empty((nq, k), np.int64)
         else:
-            out_scores, out_ids = self._missing(nq, k)
+            out_scores, out_ids = self._no_results(nq, k)
 
         if nq == 1:
             winners, best = self._scan_one(q[0], kk, rows, reject)
@@ -216,25 +137,18 @@ class CpuFlatIndex:
                 out_scores[start:stop, :kk] = best2
         return out_scores, out_ids
 
-    def _missing(self, nq: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """(scores, ids) [nq, k] with no result in any slot."""
-        return (
-            np.full((nq, k), missing_score(self.metric), dtype=np.float32),
-            np.full((nq, k), NO_ID, dtype=np.int64),
-        )
-
     def _scan_one(
         self, q: np.ndarray, k: int, rows: np.ndarray | None, reject: np.ndarray | None
     ) -> tuple[np.ndarray, np.ndarray]:
         """One query q [dim] → (rows [k] best first, scores [k] float32)."""
         n = len(self._table)
         if rows is not None:
-            scores = self._vectors[rows] @ q  # [m] over the m rows a selective filter matched
+            scores = self._table.vectors[rows] @ q  # [m] over the m rows a selective filter matched
             if self.metric == "l2":
                 scores -= self._half_sqnorms[rows]
             pos = top_k_1d(scores, k)
             return self._finish_one(q, rows[pos], scores[pos])
-        scores = np.matmul(self._vectors[:n], q, out=self._scores[:n])  # [n] GEMV
+        scores = np.matmul(self._table.vectors, q, out=self._scores[:n])  # [n] GEMV
         if self.metric == "l2":
             scores -= self._half_sqnorms[:n]
         if reject is not None:
@@ -248,7 +162,7 @@ class CpuFlatIndex:
         if self.metric != "l2":
             return winners, best
         # exact squared distances of the k winners (no |q|² - 2q·x cancellation), re-sorted
-        diff = self._vectors[winners] - q
+        diff = self._table.vectors[winners] - q
         dist = np.einsum("ij,ij->i", diff, diff)
         order = np.argsort(dist, kind="stable")
         return winners[order], dist[order]
@@ -258,7 +172,8 @@ class CpuFlatIndex:
     ) -> tuple[np.ndarray, np.ndarray]:
         """Queries q [b, dim] → (rows [b, k] best first, scores [b, k] float32)."""
         n = len(self._table)
-        base = self._vectors[:n] if rows is None else self._vectors[rows]
+        vectors = self._table.vectors  # [n, dim]
+        base = vectors if rows is None else vectors[rows]
         scores = q @ base.T  # [b, m] GEMM
         if self.metric == "l2":
             scores -= self._half_sqnorms[:n] if rows is None else self._half_sqnorms[rows]
@@ -268,26 +183,10 @@ class CpuFlatIndex:
         winners = pos if rows is None else rows[pos]
         if self.metric != "l2":
             return winners, np.take_along_axis(scores, pos, axis=1)
-        diff = self._vectors[winners] - q[:, None, :]  # [b, k, dim]
+        diff = vectors[winners] - q[:, None, :]  # [b, k, dim]
         dist = np.einsum("bkd,bkd->bk", diff, diff)
         order = np.argsort(dist, axis=1, kind="stable")
         return np.take_along_axis(winners, order, axis=1), np.take_along_axis(dist, order, axis=1)
-
-    def reconstruct(self, ids: object) -> np.ndarray:
-        keys = check_ids(ids)
-        rows = self._table.rows_of(keys)
-        if (rows < 0).any():
-            missing = keys[rows < 0]
-            raise NotFound(f"{missing.shape[0]} id(s) not in the index, e.g. {int(missing[0])}")
-        return self._vectors[rows]  # fancy indexing: a copy
-
-    def dump(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        n = len(self._table)
-        return (
-            self._table.ids.copy(),
-            self._vectors[:n].copy(),
-            np.ascontiguousarray(self._table.scope_columns.T),
-        )
 
 
 __all__ = ["CpuFlatIndex", "top_k_1d", "top_k_2d"]

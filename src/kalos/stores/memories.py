@@ -21,7 +21,8 @@ import numpy as np
 
 from kalos.errors import InvalidRequest
 from kalos.index import Index
-from kalos.index.base import RowTable, scope_mask
+from kalos.index.base import scope_mask
+from kalos.index.rows import RowTable
 from kalos.protocol import codes
 from kalos.protocol import layout as L
 from kalos.protocol.codes import check_k
