@@ -142,20 +142,19 @@ class Sidecar:
         self._stop_at: float | None = None  # when stop() was first called (monotonic)
         # One tokenizer for turns and memories sent without token ids.
         tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer is not None else None
-        self.memories = MemoryStore(
-            index.create(config.index_spec, dim=config.dim, metric=config.metric),
-            limits=config.limits,
-            tokenizer=tokenizer,
-        )
-        if config.reserve and hasattr(self.memories.index, "reserve"):
-            self.memories.index.reserve(config.reserve)
+        vectors = index.create(config.index_spec, dim=config.dim, metric=config.metric)
+        if config.reserve and hasattr(vectors, "reserve"):
+            vectors.reserve(config.reserve)
+        # A cuda index's searches go through the GPU search (graphs, pinned staging, the
+        # doorbell): the one hook of the GPU path, handed to the store it serves.
         self.gpu: GpuSearch | None = None
         if config.device.startswith("cuda"):
             from kalos.server.gpu_search import GpuSearch
 
-            self.gpu = self.memories.gpu = GpuSearch(
-                self.memories.index, doorbell=config.gpu_doorbell
-            )
+            self.gpu = GpuSearch(vectors, doorbell=config.gpu_doorbell)
+        self.memories = MemoryStore(
+            vectors, limits=config.limits, tokenizer=tokenizer, gpu=self.gpu
+        )
         self.lock = threading.Lock()  # serialises dispatch between the poller and uds threads
         # Sessions' token ids, shared read-only with shm clients (CONTEXT by reference).
         self.token_heap: TokenHeap | None = None

@@ -93,7 +93,11 @@ class MemoryStore:
     """Memory items (id, vector, payload, scope) over one vector index."""
 
     def __init__(
-        self, index: Index, limits: Limits | None = None, tokenizer: Tokenizer | None = None
+        self,
+        index: Index,
+        limits: Limits | None = None,
+        tokenizer: Tokenizer | None = None,
+        gpu: GpuSearcher | None = None,
     ) -> None:
         self.index = index
         self.limits = limits or Limits()
@@ -104,7 +108,8 @@ class MemoryStore:
         self._quota = self._max_items is not None or self._max_bytes is not None
         self._tenant_items: dict[int, int] = {}  # tenant code -> items
         self._tenant_bytes: dict[int, int] = {}  # tenant code -> vector + payload bytes
-        self.gpu: GpuSearcher | None = None  # set by the sidecar when the index is on a GPU
+        # a cuda index's searches (the sidecar's hook: kalos.server.gpu_search.GpuSearch)
+        self.gpu: GpuSearcher | None = gpu
         self.scopes = ScopeCodes()
         self._payloads: dict[int, tuple[int, bytes]] = {}
         self._payload_bytes = 0
