@@ -11,19 +11,15 @@ in-process transport nothing is lent: :data:`NOTHING`.
 from __future__ import annotations
 
 import contextlib
-import mmap
-import os
-import threading
 import time
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kalos import _native
-from kalos.errors import ConnectError
 from kalos.protocol import layout as L
-from kalos.stores.session_index import IndexReader
+from kalos.shm.session_index import IndexReader, map_session_index
+from kalos.shm.token_heap import map_token_heap
 
 if TYPE_CHECKING:
     from kalos.gpu.handoff import GpuChannel
@@ -37,45 +33,14 @@ _time_ns = time.time_ns
 _load = _native.load_acquire
 _READY = L.STATE_READY
 
-_heaps: dict[tuple[int, int], weakref.ref[np.ndarray]] = {}
-_heaps_lock = threading.Lock()
-
-
-def map_token_heap(fd: int, size: int, key: tuple[int, int]) -> np.ndarray:
-    """The token heap of the sidecar ``key`` (pid, epoch), mapped read-only, as int32.
-
-    One mapping per sidecar start in this process, shared by its channels (a page a client
-    thread touched is mapped for the others too). It lives while a channel or a view of it
-    does: views handed out before a reconnect stay readable (the old heap is an unlinked
-    memfd: its memory goes with the last mapping)."""
-    with _heaps_lock:
-        ref = _heaps.get(key)
-        heap = ref() if ref is not None else None
-        if heap is None or 4 * len(heap) != size:
-            if os.fstat(fd).st_size < size:
-                raise ConnectError("the sidecar's token heap is smaller than it says")
-            heap = np.frombuffer(mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ), np.int32)
-            for k in [k for k, r in _heaps.items() if r() is None]:
-                del _heaps[k]
-            _heaps[key] = weakref.ref(heap)
-        return heap
-
-
-def map_session_index(fd: int, size: int, heap: np.ndarray) -> IndexReader:
-    """The sidecar's session index, mapped read-only (kalos.stores.session_index)."""
-    if os.fstat(fd).st_size < size:
-        raise ConnectError("the sidecar's session index is smaller than it says")
-    try:
-        return IndexReader(mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ), heap)
-    except ValueError as exc:
-        raise ConnectError(str(exc)) from None
+__all__ = ["LOCAL_READ_BEAT_NS", "NOTHING", "Lent", "map_session_index", "map_token_heap"]
 
 
 class Lent:
     """The regions one channel's handshake lent: closed together, by :meth:`close`.
 
     ``heap``: the sidecar's token heap, mapped read-only (int32), or None. ``sessions``: its
-    session index (:class:`kalos.stores.session_index.IndexReader`), or None; only with a
+    session index (:class:`kalos.shm.session_index.IndexReader`), or None; only with a
     heap. ``gpu``: the channel's GPU result buffer (:class:`kalos.gpu.handoff.GpuChannel`)
     when GPU results were asked for, else None. ``control`` and ``channel``: views of the
     channel's control segment and channel segment, where a window computed here checks the

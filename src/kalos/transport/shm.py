@@ -23,9 +23,9 @@ from typing import Any
 from kalos import _native
 from kalos.errors import ClosedError, ConnectError, RequestTimeout, SidecarGone
 from kalos.protocol import layout as L
+from kalos.shm.memory import SharedMemory
 from kalos.transport.base import Response, Transport
 from kalos.transport.lent import LOCAL_READ_BEAT_NS, Lent, map_session_index, map_token_heap
-from kalos.transport.memory import SharedMemory
 
 # How long a parked client sleeps before it checks that the sidecar still lives.
 LIVENESS_SLICE_NS = 10_000_000  # 10 ms: a dead sidecar is seen well inside a 100 ms deadline
