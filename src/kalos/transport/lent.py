@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kalos import _native
-from kalos.protocol import layout as L
+from kalos.shm import channel as L
 from kalos.shm.session_index import IndexReader, map_session_index
 from kalos.shm.token_heap import map_token_heap
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from kalos import _native
 from kalos.errors import ClosedError, ConnectError, RequestTimeout, SidecarGone
-from kalos.protocol import layout as L
+from kalos.shm import channel as L
 from kalos.shm.memory import SharedMemory
 from kalos.transport.base import Response, Transport
 from kalos.transport.lent import LOCAL_READ_BEAT_NS, Lent, map_session_index, map_token_heap
