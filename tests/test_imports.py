@@ -228,3 +228,25 @@ def test_relative_imports_resolve_from_the_package(tmp_path: Path) -> None:
     assert graph["pkg.sub.c"] == {"pkg.a"}
     assert graph["pkg.a"] == {"pkg.sub"}
     assert find_cycles(graph) == [["pkg.a", "pkg.sub", "pkg.sub.c"]]
+
+
+def _layer(module: str) -> str:
+    """``kalos.transport.shm`` -> ``transport``; ``kalos.client`` -> ``client``."""
+    return module.split(".")[1] if module.count(".") else module
+
+
+# Layers that must not import one another (either way round), through any import, typed too:
+# the transports and the stores meet only below both, in kalos.shm.
+_APART = {("transport", "stores"), ("stores", "transport")}
+_SHM_ABOVE = {"transport", "stores", "server", "client", "async_client", "gpu", "index"}
+
+
+def test_transport_and_stores_share_memory_layouts_only_through_shm() -> None:
+    graph = import_graph(type_only=True)
+    wrong = sorted(
+        (a, b)
+        for a, targets in graph.items()
+        for b in targets
+        if (_layer(a), _layer(b)) in _APART or (_layer(a) == "shm" and _layer(b) in _SHM_ABOVE)
+    )
+    assert not wrong, wrong

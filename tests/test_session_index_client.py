@@ -34,7 +34,7 @@ def test_local_windows_match_the_sidecars(sidecar: Start) -> None:
     shm = sc.connect(timeout=TIMEOUT)
     other = sc.connect(timeout=TIMEOUT)  # another process's view is the same memory
     uds = sc.connect(transport="uds", timeout=TIMEOUT)
-    assert shm._channel().sessions is not None and uds._channel().sessions is None
+    assert shm._lent().sessions is not None and uds._lent().sessions is None
     rng = np.random.default_rng(8)
     names = [f"s{k}" for k in range(8)]
     owner = {name: Scope("acme", f"u{k % 2}") if k % 3 else None for k, name in enumerate(names)}
@@ -117,7 +117,7 @@ def test_no_index_with_zero_slots_or_an_older_client(
 ) -> None:
     off = sidecar(name="off", extra_args=("--session-index-slots", "0"))
     client = off.connect(timeout=TIMEOUT)
-    assert client._channel().sessions is None and "session_index" not in client.info
+    assert client._lent().sessions is None and "session_index" not in client.info
     client.append_turn("s", "user", "x", [4, 5])
     ctx = client.context("s", 10, turns=False)
     assert not ctx.local and ctx.tokens.tolist() == [4, 5]
@@ -126,6 +126,6 @@ def test_no_index_with_zero_slots_or_an_older_client(
     monkeypatch.setattr(kalos.transport.handshake, "PROTOCOL_VERSION", (1, 3))
     old = on.connect(timeout=TIMEOUT)  # it asks for the index: the sidecar goes by 1.3
     assert old.info["protocol"] == [1, 3] and "session_index" not in old.info
-    assert old._channel().heap is not None and old._channel().sessions is None
+    assert old._lent().heap is not None and old._lent().sessions is None
     old.append_turn("s", "user", "x", [4, 5])
     assert not old.context("s", 10, turns=False).local

@@ -105,7 +105,7 @@ def test_context_is_a_view_unless_copied(backend: Callable[..., Backend]) -> Non
     assert not view.tokens.flags.owndata and owned.tokens.base is None
     turns = view.turns
     client.context("b", 10)
-    if client._channel().heap is None:  # the next call reused the arena: the view shows b
+    if client._lent().heap is None:  # the next call reused the arena: the view shows b
         assert view.tokens.tolist() == [4, 5, 6]
     else:  # a view of the token heap (shm): session a's ids, read-only, still there
         assert view.tokens.tolist() == [1, 2, 3] and not view.tokens.flags.writeable
@@ -127,7 +127,7 @@ def test_context_larger_than_the_arena(backend: Callable[..., Backend]) -> None:
     for k in range(3):
         client.append_turn("s", "user", "x", np.arange(8000, dtype=np.int32) + k)
     assert len(client.context("s", 16_000).tokens) == 16_000
-    if client._channel().heap is not None:  # shm: the ids stay in the token heap
+    if client._lent().heap is not None:  # shm: the ids stay in the token heap
         assert len(client.context("s", 24_000).tokens) == 24_000
         # A window with a system prompt is copied (its ids live apart from the turns').
         client.append_turn("s", "system", "sys", np.arange(8000, dtype=np.int32), pin=True)

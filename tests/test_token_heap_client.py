@@ -62,7 +62,7 @@ def test_context_by_reference_matches_the_copying_path(sidecar: Start) -> None:
     sc = sidecar(extra_args=("--max-session-turns", "60"))
     shm = sc.connect(timeout=TIMEOUT, local_reads=False)
     uds = sc.connect(transport="uds", timeout=TIMEOUT)
-    assert shm._channel().heap is not None and uds._channel().heap is None
+    assert shm._lent().heap is not None and uds._lent().heap is None
     rng = np.random.default_rng(3)
     names = [f"s{k}" for k in range(12)]
     by_ref = 0
@@ -145,7 +145,7 @@ def test_a_full_heap_falls_back_to_copying(sidecar: Start) -> None:
 def test_without_a_heap_every_context_is_copied(sidecar: Start) -> None:
     sc = sidecar(extra_args=("--token-heap-mb", "0"))
     shm = sc.connect(timeout=TIMEOUT, local_reads=False)
-    assert shm._channel().heap is None and "token_heap_bytes" not in shm.stats()
+    assert shm._lent().heap is None and "token_heap_bytes" not in shm.stats()
     shm.append_turn("s", "user", "x", [1, 2, 3])
     ctx = shm.context("s", 10, turns=False)
     assert ctx.tokens.tolist() == [1, 2, 3] and ctx.tokens.flags.writeable
@@ -158,7 +158,7 @@ def test_a_client_maps_the_new_heap_of_a_restarted_sidecar(sidecar: Start, tmp_p
     client.append_turn("s", "user", "x", [1, 2, 3])
     old = client.context("s", 10, turns=False).tokens
     assert not old.flags.writeable
-    old_heap = client._channel().heap
+    old_heap = client._lent().heap
     first.stop(signal.SIGKILL)
     with pytest.raises(SidecarGone):
         client.ping()
@@ -166,7 +166,7 @@ def test_a_client_maps_the_new_heap_of_a_restarted_sidecar(sidecar: Start, tmp_p
     client.append_turn("s", "user", "y", [7, 8])  # a new, empty sidecar: a new session
     new = client.context("s", 10, turns=False).tokens
     assert new.tolist() == [7, 8] and not new.flags.writeable
-    assert client._channel().heap is not old_heap and client.reconnects == 1
+    assert client._lent().heap is not old_heap and client.reconnects == 1
     assert old.tolist() == [1, 2, 3]  # the old heap stays mapped while a view of it lives
 
 
@@ -178,6 +178,6 @@ def test_a_client_of_protocol_1_1_gets_no_heap(
     # it still says token_heap: the sidecar goes by 1.1
     old = sc.connect(timeout=TIMEOUT, local_reads=False)
     assert old.info["protocol"] == [1, 1] and "token_heap" not in old.info
-    assert old._channel().heap is None
+    assert old._lent().heap is None
     old.append_turn("s", "user", "x", [4, 5])
     assert old.context("s", 10, turns=False).tokens.tolist() == [4, 5]

@@ -38,7 +38,7 @@ from kalos.protocol import codes
 from kalos.protocol import messages as M
 from kalos.protocol.codes import Op, error_for_status
 from kalos.protocol.messages import Event, Scope, SessionInfo, StateValue
-from kalos.transport import Transport, open_transport
+from kalos.transport import NOTHING, Lent, Transport, open_channel
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -240,11 +240,11 @@ class Client:
         self._degrade = opts.on_unavailable == "degrade"
         self.local_reads = opts.local_reads
         self.reconnects = 0  # channels reopened after a lost sidecar or a timed-out call
-        self._open: Callable[[float], Transport]
+        self._open: Callable[[float], tuple[Transport, Lent]]
         if connector is None:
 
-            def open_channel(budget: float) -> Transport:
-                return open_transport(
+            def open_one(budget: float) -> tuple[Transport, Lent]:
+                return open_channel(
                     opts.transport,
                     name,
                     runtime_dir=opts.runtime_dir,
@@ -256,15 +256,17 @@ class Client:
                     tls=opts.tls,
                 )
 
-            self._open = open_channel
+            self._open = open_one
         else:
             given = connector
-            self._open = lambda budget: given()
+            self._open = lambda budget: (given(), NOTHING)
         self._local = threading.local()
         self._recording = 0  # threads that record stage stamps (record_stages)
         # Weak: a thread that ends drops its channel (its thread-local goes), and the
-        # channel's socket closes with it, so the sidecar frees the channel.
+        # channel's socket closes with it, so the sidecar frees the channel. What its
+        # handshake lent (a Lent: token heap, session index, GPU buffer) goes with it.
         self._transports: weakref.WeakSet[Transport] = weakref.WeakSet()
+        self._lents: weakref.WeakSet[Lent] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._closed = False
         self._info: dict[str, Any] = {}
@@ -281,18 +283,27 @@ class Client:
         if self._closed:
             raise ClosedError("this client is closed")
         if t is not None:
-            self._forget(t)
+            self._forget(t, self._local.lent)
         budget = self.timeout if timeout is None else timeout
         if budget <= 0:  # e.g. an AsyncClient call that waited out its deadline for a channel
             raise RequestTimeout("the call's deadline passed before a channel was opened")
-        new = self._open(budget)
+        new, lent = self._open(budget)
         self._local.transport = new
+        self._local.lent = lent
         self._info = new.server_info
         with self._lock:
             self._transports.add(new)
+            if lent is not NOTHING:
+                self._lents.add(lent)
             if t is not None:
                 self.reconnects += 1
         return new
+
+    def _lent(self, timeout: float | None = None) -> Lent:
+        """What this thread's channel (:meth:`_channel`) was lent at its handshake."""
+        self._channel(timeout)
+        lent: Lent = self._local.lent
+        return lent
 
     @staticmethod
     def _needs(t: Transport, minor: int, what: str) -> None:
@@ -304,10 +315,14 @@ class Client:
                 "upgrade the sidecar"
             )
 
-    def _forget(self, t: Transport) -> None:
-        t.close()
-        with self._lock:
-            self._transports.discard(t)
+    def _forget(self, t: Transport, lent: Lent) -> None:
+        try:
+            lent.close()  # before the transport: the sidecar takes it back when that closes
+        finally:
+            t.close()
+            with self._lock:
+                self._transports.discard(t)
+                self._lents.discard(lent)
 
     @property
     def info(self) -> dict:
@@ -447,7 +462,7 @@ class Client:
         """
         start = _monotonic_ns()
         t = self._channel(timeout)
-        gpu = t.gpu
+        gpu = self._local.lent.gpu
         if gpu is None:
             raise ConfigError("search_gpu needs kalos.connect(..., gpu_results=True)")
         codes.check_k(k)
@@ -666,9 +681,10 @@ class Client:
         name = session.encode()
         try:
             t = self._channel(timeout)
+            lent = self._local.lent
             if not turns and self.local_reads:
                 # an empty tenant or user is none, on the wire and here
-                got = t.context_local(name, max_tokens, max_turns, sb.tenant or None,
+                got = lent.context_local(name, max_tokens, max_turns, sb.tenant or None,
                                       sb.user or None)  # fmt: skip
                 if got is not None:  # no request: no sidecar stages, no stamps to split by
                     tokens = got[0].copy() if copy else got[0]
@@ -686,7 +702,7 @@ class Client:
             timings = Timings(0.0, 0.0, 0.0, (_monotonic_ns() - start) / 1e3)
             window = Turns(b"", b"") if turns else None
             return Context(np.empty(0, np.int32), window, timings, False, True, False)
-        tokens, meta, text, system = _decode_context_response(resp.body, len(resp.body), t.heap)
+        tokens, meta, text, system = _decode_context_response(resp.body, len(resp.body), lent.heap)
         if copy:
             tokens = tokens.copy()
         window = None if meta is None or text is None else Turns(meta, text)
@@ -745,7 +761,7 @@ class Client:
         try:
             t = self._channel(timeout)
             self._needs(t, 1, "recall")
-            gpu = t.gpu if on_gpu else None
+            gpu = self._local.lent.gpu if on_gpu else None
             if on_gpu:
                 if gpu is None:
                     raise ConfigError('recall(device="cuda") needs kalos.connect(..., '
@@ -1022,9 +1038,15 @@ class Client:
         self._closed = True
         with self._lock:
             transports = list(self._transports)
+            lents = list(self._lents)
             self._transports = weakref.WeakSet()
-        for t in transports:
-            t.close()
+            self._lents = weakref.WeakSet()
+        try:
+            for lent in lents:  # before the transports, as in _forget
+                lent.close()
+        finally:
+            for t in transports:
+                t.close()
 
     def __enter__(self) -> Client:
         return self

@@ -64,7 +64,7 @@ def test_gpu_token_ids_match_the_host_path(gpu_sidecar, max_tokens):
 def test_gpu_token_ids_are_a_view_of_the_channels_buffer(gpu_sidecar):
     _, client, base = gpu_sidecar
     g = client.recall("s", base[3], k=4, max_tokens=500, device="cuda")
-    slots = client._channel().gpu.tokens
+    slots = client._lent().gpu.tokens
     assert g.token_ids.data_ptr() == slots.data_ptr()  # no copy
     kept = g.token_ids.clone()
     client.recall("s", base[900], k=4, max_tokens=500, device="cuda")

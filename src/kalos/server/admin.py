@@ -37,8 +37,8 @@ if TYPE_CHECKING:
     from kalos.server.dispatch import Dispatcher
     from kalos.server.durability import Durability
     from kalos.server.listener import Listener
+    from kalos.shm.memory import SharedMemory
     from kalos.stores.memories import MemoryStore
-    from kalos.transport.memory import SharedMemory
 
 log = logging.getLogger("kalos.server")
 

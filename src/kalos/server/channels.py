@@ -23,7 +23,7 @@ from kalos.protocol import layout as L
 from kalos.protocol.codes import Op, Status
 from kalos.protocol.messages import encode_text
 from kalos.server.dispatch import GPU_OPS
-from kalos.transport.memory import SharedMemory, create
+from kalos.shm.memory import SharedMemory, create
 
 if TYPE_CHECKING:
     from kalos.server.doorbell import Doorbell

@@ -41,13 +41,13 @@ if TYPE_CHECKING:
 from kalos.server.dispatch import Dispatcher
 from kalos.server.durability import Durability
 from kalos.server.listener import Listener
+from kalos.shm.memory import SharedMemory, create
 from kalos.stores.memories import MemoryStore
 from kalos.stores.session_index import SessionIndex
 from kalos.stores.sessions import SessionStore, load_tokenizer, tokenizer_fingerprint
 from kalos.stores.state import StateStore
 from kalos.stores.token_heap import TokenHeap
 from kalos.stores.wal import FsyncPolicy
-from kalos.transport.memory import SharedMemory, create
 
 log = logging.getLogger("kalos.server")
 

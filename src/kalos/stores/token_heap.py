@@ -1,4 +1,6 @@
 """The token heap: sessions' token ids in one shared-memory file that clients map read-only.
+The sidecar's side (the allocator, the readers' pins); the layout and a client's mapping are
+:mod:`kalos.shm.token_heap`.
 
 A CONTEXT over a shm channel then answers with where the window's ids lie in the heap
 (byte offset and length) instead of copying them into the response arena, and the client
@@ -23,7 +25,7 @@ The rules that make views safe ("valid until this thread's next call"):
   last response points into goes to the quarantine, pinned by those readers, and returns to
   the allocator once each of them has sent a later request or closed. Likewise a region a
   channel's view mark names (:meth:`Reader.viewing`: the region of the last window its client
-  computed from the session index, kalos.stores.session_index) stays until the mark moves
+  computed from the session index, kalos.shm.session_index) stays until the mark moves
   or the channel closes. A region no reader holds is reusable at once. So an idle channel
   pins at most two regions: the one it last read by reference and the one it last viewed.
 * while a forked snapshot writer reads the stores (kalos.server.durability), a :meth:`hold`
@@ -43,11 +45,18 @@ from typing import Protocol
 import numpy as np
 
 from kalos.errors import ConfigError
-from kalos.transport.memory import ReadOnlyShared
+from kalos.shm.memory import ReadOnlyShared
+from kalos.shm.token_heap import UNIT_BYTES, UNIT_TOKENS
 
-UNIT_TOKENS = 256
-"""Token ids per allocation unit (1 KiB): the smallest region, a new session's first."""
-UNIT_BYTES = 4 * UNIT_TOKENS
+__all__ = [
+    "UNIT_BYTES",
+    "UNIT_TOKENS",
+    "BuddyAllocator",
+    "Hold",
+    "Reader",
+    "TokenHeap",
+    "order_for",
+]
 
 
 class Reader(Protocol):
@@ -212,7 +221,7 @@ class TokenHeap:
             for r in self._readers
             if r.lent_region == region and r.requests <= r.lent_request and not r.closed
         ]
-        # clients that may view it through a window of their own (kalos.stores.session_index;
+        # clients that may view it through a window of their own (kalos.shm.session_index;
         # the session's index slot was marked before this, so either such a client's check of
         # the slot failed or its mark is seen here)
         pins += [(r, -1) for r in self._readers if not r.closed and r.viewing() == region]

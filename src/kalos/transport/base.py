@@ -3,21 +3,20 @@
 A transport moves one request body and its response. The client encodes the body straight
 into :attr:`Transport.request_buffer` (in the shm transport, that is the channel's request
 arena: no copy), then calls :meth:`Transport.request`. The response body it returns is a view
-that stays valid until the next request on the same transport.
+that stays valid until the next request on the same transport. What a handshake lends
+beside the channel (the token heap, the session index, GPU buffers) is not the transport's:
+:class:`kalos.transport.lent.Lent`.
 """
 
 from __future__ import annotations
 
 import abc
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from kalos.errors import ClosedError, SidecarGone
-
-if TYPE_CHECKING:
-    from kalos.stores.session_index import IndexReader
 
 
 class Response:
@@ -41,21 +40,6 @@ class Transport(abc.ABC):
     kind: str  # "shm", "uds", "inproc"
     request_buffer: np.ndarray  # writable uint8; the next request's body goes here
     server_info: dict[str, Any]  # what the handshake told: dim, metric, max_k, epoch, ...
-    gpu: Any = None  # kalos.gpu.handoff.GpuChannel when GPU results were asked for
-    # The sidecar's token heap, mapped read-only (int32), when this channel maps it (shm):
-    # CONTEXT responses may refer to token ids in it (kalos.stores.token_heap).
-    heap: np.ndarray | None = None
-    # The sidecar's session index, when this channel maps it too (shm): see context_local.
-    sessions: IndexReader | None = None
-
-    def context_local(
-        self, session: bytes, max_tokens: int, max_turns: int, tenant: Any, user: Any
-    ) -> tuple[np.ndarray, int] | None:
-        """A CONTEXT window (token ids only) computed in this process from the sidecar's
-        session index, without a request: (a read-only view of its ids in the token heap,
-        valid until this channel's next call; its turns), or None when the sidecar must
-        answer (this channel maps no index, or the index cannot answer for certain)."""
-        return None
 
     @abc.abstractmethod
     def request(self, op: int, flags: int, body_len: int, *, timeout: float) -> Response:
@@ -93,7 +77,7 @@ class Transport(abc.ABC):
         """Releases the channel. Idempotent."""
 
     def __del__(self) -> None:
-        # A channel dropped without close (its thread ended) still releases its socket,
-        # mappings and GPU buffer, so the sidecar frees the channel.
+        # A channel dropped without close (its thread ended) still releases its socket and
+        # mappings, so the sidecar frees the channel.
         with contextlib.suppress(Exception):
             self.close()

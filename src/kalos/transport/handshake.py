@@ -114,8 +114,8 @@ def hello_message(
     """The client's handshake message (over the Unix socket, or grpc's Hello method).
 
     ``token_heap``: the client maps the sidecar's token heap (shm channels: CONTEXT token
-    ids by reference, kalos.stores.token_heap); ``session_index``: and its session index
-    (CONTEXT windows computed by the client, kalos.stores.session_index)."""
+    ids by reference, kalos.shm.token_heap); ``session_index``: and its session index
+    (CONTEXT windows computed by the client, kalos.shm.session_index)."""
     hello = {
         "magic": "KALO",
         "protocol": list(PROTOCOL_VERSION),

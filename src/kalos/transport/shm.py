@@ -13,24 +13,19 @@ its control segment says STOPPING, or when its heartbeat is older than ``hung_af
 
 from __future__ import annotations
 
-import mmap
 import os
 import select
 import socket
 import struct
-import threading
 import time
-import weakref
 from typing import Any
-
-import numpy as np
 
 from kalos import _native
 from kalos.errors import ClosedError, ConnectError, RequestTimeout, SidecarGone
-from kalos.protocol import layout as L
-from kalos.stores.session_index import IndexReader
+from kalos.shm import channel as L
+from kalos.shm.memory import SharedMemory
 from kalos.transport.base import Response, Transport
-from kalos.transport.memory import SharedMemory
+from kalos.transport.lent import LOCAL_READ_BEAT_NS, Lent, map_session_index, map_token_heap
 
 # How long a parked client sleeps before it checks that the sidecar still lives.
 LIVENESS_SLICE_NS = 10_000_000  # 10 ms: a dead sidecar is seen well inside a 100 ms deadline
@@ -44,12 +39,7 @@ HUNG_AFTER_S = 1.0
 # parked caller waits for the sidecar's stream sync and a futex wake (8-28 µs on the H200).
 SPIN_US = 50.0
 GPU_SPIN_US = 200.0
-# A window read from the session index is served only while the sidecar's heartbeat (every
-# heartbeat_ms / 2, 50 ms by default) is younger than this: after a crash, at most this long.
-LOCAL_READ_BEAT_NS = 250_000_000
-
 _monotonic_ns = time.monotonic_ns
-_time_ns = time.time_ns
 _publish = _native.publish
 _wait_seq = _native.wait_seq
 _load = _native.load_acquire
@@ -59,46 +49,62 @@ _pack_request = L.REQ_FIELDS.pack_into
 _unpack_response = L.RESP_FIELDS.unpack_from
 _REQ_OP = L.REQ_OP
 _RESP_STATUS = L.RESP_STATUS
-_READY = L.STATE_READY
 
-
-_heaps: dict[tuple[int, int], weakref.ref[np.ndarray]] = {}
-_heaps_lock = threading.Lock()
-
-
-def map_token_heap(fd: int, size: int, key: tuple[int, int]) -> np.ndarray:
-    """The token heap of the sidecar ``key`` (pid, epoch), mapped read-only, as int32.
-
-    One mapping per sidecar start in this process, shared by its channels (a page a client
-    thread touched is mapped for the others too). It lives while a channel or a view of it
-    does: views handed out before a reconnect stay readable (the old heap is an unlinked
-    memfd: its memory goes with the last mapping)."""
-    with _heaps_lock:
-        ref = _heaps.get(key)
-        heap = ref() if ref is not None else None
-        if heap is None or 4 * len(heap) != size:
-            if os.fstat(fd).st_size < size:
-                raise ConnectError("the sidecar's token heap is smaller than it says")
-            heap = np.frombuffer(mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ), np.int32)
-            for k in [k for k, r in _heaps.items() if r() is None]:
-                del _heaps[k]
-            _heaps[key] = weakref.ref(heap)
-        return heap
-
-
-def map_session_index(fd: int, size: int, heap: np.ndarray) -> IndexReader:
-    """The sidecar's session index, mapped read-only (kalos.stores.session_index)."""
-    if os.fstat(fd).st_size < size:
-        raise ConnectError("the sidecar's session index is smaller than it says")
-    try:
-        return IndexReader(mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ), heap)
-    except ValueError as exc:
-        raise ConnectError(str(exc)) from None
+__all__ = [
+    "GPU_SPIN_US", "HUNG_AFTER_S", "LIVENESS_SLICE_NS", "LOCAL_READ_BEAT_NS", "SPIN_US",
+    "ShmTransport", "default_spin_us", "map_session_index", "map_token_heap", "open_shm",
+]  # fmt: skip
 
 
 def default_spin_us(info: dict[str, Any]) -> float:
     """The spin of a channel to the sidecar whose handshake reply is ``info``."""
     return GPU_SPIN_US if str(info.get("device", "cpu")).startswith("cuda") else SPIN_US
+
+
+def open_shm(
+    sock: socket.socket,
+    info: dict[str, Any],
+    fds: list[int],
+    *,
+    spin_us: float,
+    hung_after: float = HUNG_AFTER_S,
+    gpu: bool = False,
+) -> tuple[ShmTransport, Lent]:
+    """The channel a shm handshake opened (its reply ``info`` and descriptors ``fds``: the
+    control segment, the channel, then the token heap and the session index when lent), and
+    what it lent beside it. ``gpu``: map the channel's GPU result buffer (``info["gpu"]``).
+    Closes the descriptors; raises ConnectError when they do not match the reply."""
+    heap_info = info.get("token_heap")
+    index_info = info.get("session_index") if heap_info else None
+    want = 2 + bool(heap_info) + bool(index_info)
+    if len(fds) != want:
+        for fd in fds:
+            os.close(fd)
+        raise ConnectError(f"the sidecar sent {len(fds)} descriptors, expected {want}")
+    heap = sessions = None
+    try:
+        ctrl = SharedMemory(fds[0], L.CONTROL_SIZE)
+        chan = SharedMemory(fds[1], L.channel_size(int(info["arena_bytes"])))
+        if heap_info:
+            key = (int(info.get("server_pid", 0)), int(info.get("epoch", 0)))
+            heap = map_token_heap(fds[2], int(heap_info["bytes"]), key)
+        if index_info and heap is not None:
+            sessions = map_session_index(fds[3], int(index_info["bytes"]), heap)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    t = ShmTransport(sock, info, ctrl, chan, spin_us=spin_us, hung_after=hung_after)
+    try:
+        channel = None
+        if gpu:
+            from kalos.gpu.handoff import GpuChannel
+
+            channel = GpuChannel(info["gpu"])
+        lent = Lent(heap, sessions, channel, control=ctrl.buf, channel=chan.buf, over=t)
+    except BaseException:
+        t.close()
+        raise
+    return t, lent
 
 
 class ShmTransport(Transport):
@@ -108,29 +114,15 @@ class ShmTransport(Transport):
         self,
         sock: socket.socket,
         info: dict[str, Any],
-        fds: list[int],
+        ctrl: SharedMemory,
+        chan: SharedMemory,
         *,
         spin_us: float,
         hung_after: float = HUNG_AFTER_S,
     ) -> None:
-        heap_info = info.get("token_heap")
-        index_info = info.get("session_index") if heap_info else None
-        want = 2 + bool(heap_info) + bool(index_info)
-        if len(fds) != want:
-            for fd in fds:
-                os.close(fd)
-            raise ConnectError(f"the sidecar sent {len(fds)} descriptors, expected {want}")
-        try:
-            self._ctrl = SharedMemory(fds[0], L.CONTROL_SIZE)
-            self._chan = SharedMemory(fds[1], L.channel_size(int(info["arena_bytes"])))
-            if heap_info:
-                key = (int(info.get("server_pid", 0)), int(info.get("epoch", 0)))
-                self.heap = map_token_heap(fds[2], int(heap_info["bytes"]), key)
-            if index_info and self.heap is not None:
-                self.sessions = map_session_index(fds[3], int(index_info["bytes"]), self.heap)
-        finally:
-            for fd in fds:
-                os.close(fd)
+        """The channel ``chan`` with its control segment ``ctrl`` (see :func:`open_shm`)."""
+        self._ctrl = ctrl
+        self._chan = chan
         self._sock = sock
         self.server_info = info
         arena = int(info["arena_bytes"])
@@ -159,22 +151,6 @@ class ShmTransport(Transport):
         # The Response of every request, refilled: like its body, valid until the next request
         # (~0.1 µs less than building one per call).
         self._response = Response(0, self._resp_arena[:0], 0, 0, 0)
-        self._view = a + L.CHAN_CLIENT_VIEW  # the view mark of context_local
-
-    def context_local(
-        self, session: bytes, max_tokens: int, max_turns: int, tenant: Any, user: Any
-    ) -> tuple[np.ndarray, int] | None:
-        index = self.sessions
-        if index is None or self.heap is None or self._closed or self._broken:
-            return None
-        beat = _load(self._heartbeat)
-        if _monotonic_ns() - beat > LOCAL_READ_BEAT_NS or _load(self._ctrl_state) != _READY:
-            return None  # perhaps gone, or stopping: the request path finds out
-        got = index.read(session, max_tokens, max_turns, tenant, user, _time_ns(), self._view)
-        if got is None:
-            return None
-        at, n, turns = got
-        return self.heap[at : at + n], turns
 
     def request(self, op: int, flags: int, body_len: int, *, timeout: float) -> Response:
         if self._closed or self._broken:
@@ -251,11 +227,7 @@ class ShmTransport(Transport):
             return
         self._closed = True
         try:
-            if self.gpu is not None:
-                self.gpu.close()
             self._sock.close()
         finally:
             self._chan.close()
             self._ctrl.close()
-            self.heap = None  # views of it keep the mapping
-            self.sessions = None
