@@ -10,7 +10,6 @@ in-process transport nothing is lent: :data:`NOTHING`.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -121,8 +120,10 @@ class Lent:
     def __del__(self) -> None:
         # Dropped without close (its thread ended): the GPU buffer is unmapped before the
         # transport it holds (``over``) closes its socket.
-        with contextlib.suppress(Exception):
+        try:  # noqa: SIM105 - at interpreter exit the module's globals (contextlib) may be gone
             self.close()
+        except Exception:
+            pass
 
 
 NOTHING = Lent()
