@@ -287,7 +287,7 @@ def test_a_request_taken_before_a_cancel_is_answered(served):
     q = query(19)
     n = M.encode_search(c.req_arena, q[None], K, M.encode_scope_fields(ACME))
     now = time.monotonic_ns()
-    L.REQ_FIELDS.pack_into(c.buf, L.REQ_OP, Op.SEARCH, 0, n, now, now + 10**9)
+    L.REQ_FIELDS.pack_into(c.buf, L.REQ_OP, Op.SEARCH, 0, n, now, now + 60 * 10**9)
     seq = served.seqs[0] = served.seqs[0] + 1
     _native.store_release(c.req_seq, seq)
     served.gpu.settle()  # e.g. an add from another thread, before the poller's sweep
@@ -310,7 +310,7 @@ def test_a_request_the_poller_never_saw_is_counted(served):
     scope = M.encode_scope_fields(ACME)
     n = M.encode_search(c.req_arena, query(27)[None], K, scope)
     now = time.monotonic_ns()
-    L.REQ_FIELDS.pack_into(c.buf, L.REQ_OP, Op.SEARCH, 0, n, now, now + 10**9)
+    L.REQ_FIELDS.pack_into(c.buf, L.REQ_OP, Op.SEARCH, 0, n, now, now + 60 * 10**9)
     taken = served.seqs[0] = served.seqs[0] + 1
     _native.store_release(c.req_seq, taken)
     served.door._run_pending()  # the GPU, on its own: takes and answers it
