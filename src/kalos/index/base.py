@@ -20,6 +20,7 @@ Conventions every backend keeps (the conformance tests in ``tests/index`` pin th
 
 from __future__ import annotations
 
+import abc
 import math
 from typing import ClassVar, Protocol, runtime_checkable
 
@@ -292,7 +293,7 @@ def scope_mask(columns: np.ndarray, scope: ScopeFilter) -> np.ndarray:
 # --- the half of a row-table backend that is not scoring ---------------------------------------
 
 
-class RowIndex:
+class RowIndex(abc.ABC):
     """Spec checks, a :class:`RowTable` of the items, and the verbs that only touch the table.
 
     ``search`` checks its arguments and the scope filter here, then hands the backend's
@@ -371,6 +372,7 @@ class RowIndex:
             return self._no_results(q.shape[0], k)
         return self._search_rows(q, k, mask if matched < n else None, matched)
 
+    @abc.abstractmethod
     def _search_rows(
         self, q: np.ndarray, k: int, mask: np.ndarray | None, matched: int
     ) -> tuple[np.ndarray, np.ndarray]:
@@ -379,7 +381,6 @@ class RowIndex:
         ``mask`` [n] bool marks the rows a scope filter matched (None: every row), and
         ``matched`` (at least 1) counts them. Returns ``search``'s (scores, ids) [nq, k].
         """
-        raise NotImplementedError
 
     def _no_results(self, nq: int, k: int) -> tuple[np.ndarray, np.ndarray]:
         """(scores, ids) [nq, k] with no result in any slot."""
