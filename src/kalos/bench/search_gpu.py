@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from kalos.bench import corpora
+from kalos.bench import cold_start, corpora
 from kalos.bench.common import (
     add_affinity_argument,
     cpu_split,
@@ -66,6 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "sidecar: 200)")  # fmt: skip
     p.add_argument("--compare-rows", type=int, default=2_000_000,
                    help="largest index also timed through a --no-gpu-doorbell sidecar")  # fmt: skip
+    p.add_argument("--no-cold-start", dest="cold_start", action="store_false",
+                   help="skip the first set's cold start (kalos.bench.cold_start)")  # fmt: skip
     add_affinity_argument(p, cpus="last two CPUs")
 
 
@@ -456,6 +458,11 @@ def run(args: argparse.Namespace) -> int:
                               cache_dir=args.corpus_dir, progress=not args.quiet)  # fmt: skip
         print(f"\n{name} {corpus.n:,} x {corpus.dim}: loaded in {corpus.info['load_s']} s")
         torch.cuda.empty_cache()  # what the corpus's build held (the embedding model)
+        if args.cold_start and not extra["sets"]:  # the first set only, before it is timed
+            extra["cold_start"] = cold_start.measure(
+                torch, corpus.db.astype(np.float16), np.arange(corpus.n, dtype=np.int64) * 3 + 1,
+                corpus.queries, quiet=args.quiet)  # fmt: skip
+            extra["cold_start"]["corpus"] = corpus.name
         r = _run_size(args, torch, corpus, bw)
         del corpus
         torch.cuda.empty_cache()

@@ -1,0 +1,42 @@
+"""The cold-start measurement of search-gpu, on a CPU sidecar at a small size."""
+
+import numpy as np
+import pytest
+
+from kalos.bench import cold_start
+
+torch = pytest.importorskip("torch")
+
+
+def test_cold_start_reports_both_starts_and_checks_every_answer():
+    rng = np.random.default_rng(3)
+    db = rng.standard_normal((3000, 32)).astype(np.float16)
+    ids = np.arange(3000, dtype=np.int64) * 7 + 5
+    queries = rng.standard_normal((40, 32)).astype(np.float32)
+    out = cold_start.measure(torch, db, ids, queries, searches=24, quiet=True, device="cpu")
+    for label in ("empty_cache", "same_cache"):
+        r = out[label]
+        assert r["start_to_ready_s"] > 0 and r["stop_s"] < 5
+        for part, count in (("first", 24), ("steady", 48)):
+            assert r[part]["searches"] == count
+            assert r[part]["timeouts"] == 0 and r[part]["wrong"] == 0
+            assert 0 < r[part]["p50_us"] <= r[part]["p99_us"] <= r[part]["max_us"]
+        assert r["first_max_over_steady_p99"] > 0
+
+
+def test_the_reference_finds_a_wrong_answer():
+    rng = np.random.default_rng(4)
+    db = rng.standard_normal((500, 16)).astype(np.float16)
+    ref = cold_start._Reference(torch, db, "cpu")
+    q = rng.standard_normal(16).astype(np.float32)
+    scores = db.astype(np.float32) @ q.astype(np.float16).astype(np.float32)
+    best = np.argsort(-scores)[:10]
+    assert not ref.wrong(q, 10, False, best)
+    assert ref.wrong(q, 10, False, np.argsort(scores)[:10])  # the bottom 10
+    assert ref.wrong(q, 10, False, np.r_[best[:9], -1])  # a hit that is no row
+    users = cold_start._users(500)
+    mine = np.flatnonzero(users == int(cold_start.SCOPED_USER[1:]))
+    top_mine = mine[np.argsort(-scores[mine])[:10]]
+    assert not ref.wrong(q, 10, True, top_mine)
+    assert not set(best) <= set(mine)
+    assert ref.wrong(q, 10, True, best)  # the unscoped top 10 under the scope filter
