@@ -159,6 +159,8 @@ class CudaFlatIndex:
         # searches that took the prefilter, and those of them that replayed the full scan
         self.prefilter_searches = 0
         self.prefilter_fallbacks = 0
+        # what the last warm-up's parallel compile did (kernels.precompile.compile_all)
+        self.precompiled: dict[str, Any] | None = None
         self._torch = torch
         self._k = kernels
         self._metric_code = _METRICS[metric]
@@ -806,6 +808,7 @@ class CudaFlatIndex:
         publish: bool = True,
         gated: bool = True,
         stop: Callable[[], bool] | None = None,
+        precompile: bool | None = None,
     ) -> int:
         """Compiles (or loads from Triton's disk cache) every kernel variant that a search on
         this index can launch from now on, whatever it grows to, so that none waits for a
@@ -817,8 +820,28 @@ class CudaFlatIndex:
         candidates' chunk and list widths follow it). The launches run on a scratch index of
         the same dim, dtype, metric and launch settings: the live rows are not touched.
         ``stop``: polled between launches; when it turns true, raises InterruptedError.
+        ``precompile`` (default: on a GPU): first a dry run of the same launches, whose
+        variants worker processes compile in parallel into the disk cache
+        (:mod:`kalos.index.kernels.precompile`; what they did is ``self.precompiled``).
         Returns the number of launches (seconds on the H200 from a warm disk cache; a cold
         one compiles each variant once)."""
+        if self._on_gpu if precompile is None else precompile:
+            from kalos.index.kernels import precompile as pre
+
+            with pre.recording() as noted:
+                self._warm_launches(publish, gated, stop, dry=True)
+            found = pre.variants(noted)
+            device = self.device.index if self.device.index is not None else 0
+            self.precompiled = pre.compile_all(
+                found, device=device, workers=pre.workers_for(len(found)), stop=stop
+            )
+        return self._warm_launches(publish, gated, stop, dry=False)
+
+    def _warm_launches(
+        self, publish: bool, gated: bool, stop: Callable[[], bool] | None, dry: bool
+    ) -> int:
+        """:meth:`warm`'s launches; ``dry``: while a recording notes them, without the graph
+        that ends a real warm-up (its launches are those of the searches before it)."""
         torch = self._torch
         kern = self._k
         dev = self.device
@@ -958,7 +981,7 @@ class CudaFlatIndex:
                             run(nq, k, scoped, ws_nq=batch)
             # the host path's own work (validation, copies) and one captured graph
             scratch.search(queries[:1].cpu().numpy(), 10)
-            if on_gpu:
+            if on_gpu and not dry:
                 graph = scratch.graph(1, 10, prefilter=True)
                 graph.replay_and_wait(torch.cuda.current_stream(dev))
                 torch.cuda.current_stream(dev).synchronize()

@@ -335,7 +335,14 @@ class Sidecar:
         except InterruptedError:
             log.info("stopped during the kernel warm-up")
             return False
-        log.info("GPU kernels warm in %.1f s", self.warm_seconds)
+        pre = self.gpu.index.precompiled
+        if pre is not None:
+            log.info(
+                "GPU kernels warm in %.1f s (%d variants compiled by %d processes in %.1f s)",
+                self.warm_seconds, pre["compiled"], pre["workers"], pre["seconds"],
+            )  # fmt: skip
+        else:
+            log.info("GPU kernels warm in %.1f s", self.warm_seconds)
         return True
 
     def _open_grpc(self, listener: Listener) -> None:
