@@ -103,4 +103,5 @@ def test_the_warm_up_compiles_every_variant_in_parallel_first(tmp_path, monkeypa
     print(f"dim {dim}: warm-up {seconds:.1f} s, {launches} launches, precompile {done}")
     assert done is not None and done["failures"] == []
     assert done["compiled"] == done["variants"] > 50
+    assert done["unforeseen"] == 0, "variants the dry run did not foresee"
     assert entries and len(os.listdir(tmp_path)) == entries[0], "the warm-up compiled more"

@@ -283,3 +283,18 @@ def test_launch_runs_the_kernel_unless_this_thread_records():
     assert len(noted) == 1 and noted[0][1] == (5,)
     precompile.launch(Kernel(), (7,))
     assert len(ran) == 3  # recording ended
+
+
+def test_compiles_notes_each_variant_the_jit_takes_and_keeps_a_hook_already_set():
+    from triton import knobs
+
+    seen = []
+    knobs.runtime.jit_cache_hook = lambda **kw: seen.append(kw["key"])
+    try:
+        with precompile.compiles() as noted:
+            knobs.runtime.jit_cache_hook(key="k1", repr="kernel[num_warps=4](...)", fn=None)
+        assert noted == [("k1", "kernel[num_warps=4](...)")] and seen == ["k1"]
+        assert knobs.runtime.jit_cache_hook(key="k2", repr="", fn=None) is None  # restored
+        assert seen == ["k1", "k2"] and len(noted) == 1
+    finally:
+        knobs.runtime.jit_cache_hook = None

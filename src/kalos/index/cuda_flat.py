@@ -35,6 +35,7 @@ workspace); each :class:`SearchGraph` owns its own.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Callable
@@ -44,6 +45,8 @@ from typing import Any
 import numpy as np
 
 from kalos.errors import ConfigError, InvalidRequest, NotFound
+
+log = logging.getLogger("kalos.index")
 
 _METRICS = {"ip": 0, "cosine": 1, "l2": 2}
 _DTYPES = ("fp16", "bf16", "fp32")
@@ -822,7 +825,8 @@ class CudaFlatIndex:
         ``stop``: polled between launches; when it turns true, raises InterruptedError.
         ``precompile`` (default: on a GPU): first a dry run of the same launches, whose
         variants worker processes compile in parallel into the disk cache
-        (:mod:`kalos.index.kernels.precompile`; what they did is ``self.precompiled``).
+        (:mod:`kalos.index.kernels.precompile`); what they did is ``self.precompiled``, with
+        ``unforeseen``: the variants the real launches took that the workers did not compile.
         Returns the number of launches (seconds on the H200 from a warm disk cache; a cold
         one compiles each variant once)."""
         if self._on_gpu if precompile is None else precompile:
@@ -832,9 +836,21 @@ class CudaFlatIndex:
                 self._warm_launches(publish, gated, stop, dry=True)
             found = pre.variants(noted)
             device = self.device.index if self.device.index is not None else 0
-            self.precompiled = pre.compile_all(
+            done = pre.compile_all(
                 found, device=device, workers=pre.workers_for(len(found)), stop=stop
             )
+            ahead = set(done.pop("keys"))
+            with pre.compiles() as taken:
+                launches = self._warm_launches(publish, gated, stop, dry=False)
+            unforeseen = sorted({name for key, name in taken if key not in ahead})
+            done["unforeseen"] = len(unforeseen)
+            if unforeseen:
+                log.warning(
+                    "kernel warm-up: %d variants the precompile did not foresee compiled one "
+                    "at a time, e.g. %s", len(unforeseen), unforeseen[0],
+                )  # fmt: skip
+            self.precompiled = done
+            return launches
         return self._warm_launches(publish, gated, stop, dry=False)
 
     def _warm_launches(

@@ -1,15 +1,17 @@
 """Compiling a warm-up's kernel variants in parallel, in worker processes.
 
 Triton compiles one variant at a time and holds the interpreter while it does (threads do not
-help). A cuda index's warm-up launches ~180 variants at 384 dimensions, a few seconds of
-compile each: minutes from an empty kernel cache. So the warm-up first runs dry: with
-:func:`recording` active, :func:`launch` notes each kernel launch (the kernel, its arguments'
-types, alignments and values, its options) instead of running it. :func:`compile_all` then
-hands the distinct launches to worker processes (``python -m kalos.index.kernels.precompile``),
-which compile each through Triton's own JIT (``warmup``: the same specialisation and cache key
-as a launch, nothing runs) into the shared disk cache (``TRITON_CACHE_DIR``). The warm-up then
+help). A cuda index's warm-up launches 200 to 300 variants (on the H200: 235 at 384
+dimensions, 304 at 128), seconds of compile each: minutes from an empty kernel cache. So the
+warm-up first runs dry: with :func:`recording` active, :func:`launch` notes each kernel
+launch (the kernel, its arguments' types, alignments and values, its options) instead of
+running it. :func:`compile_all` then hands the distinct launches to worker processes
+(``python -m kalos.index.kernels.precompile``), which compile each through Triton's own JIT
+(``warmup``: the same specialisation and cache key as a launch, nothing runs) into the
+shared disk cache (``TRITON_CACHE_DIR``). The warm-up then
 runs for real: each launch finds its variant on disk and loads it. A variant the dry run did
-not foresee still compiles then, in this process: slower, never wrong.
+not foresee still compiles then, in this process: slower, never wrong; :func:`compiles`
+notes each variant the real warm-up takes, so that those are counted and named.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ import os
 import pickle
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 log = logging.getLogger("kalos.index")
@@ -133,28 +136,51 @@ def compile_all(found: list[tuple[str, str, tuple, dict]], *, device: int, worke
                 stop: Callable[[], bool] | None = None, timeout: float = 1800.0
                 ) -> dict[str, Any]:  # fmt: skip
     """Compiles ``found`` (:func:`variants`) on ``workers`` processes into the disk cache for
-    CUDA device ``device``. Returns what it did (variants, workers, seconds, failures: a
-    worker that fails only leaves its variants to compile later). ``stop``: polled; when it
-    turns true the workers are killed and InterruptedError raised."""
+    CUDA device ``device``. Returns what it did: variants, compiled, workers, seconds,
+    failures (a worker that fails only leaves its variants to compile later) and keys (the
+    JIT's key of each variant compiled, as :func:`compiles` notes them). ``stop``: polled;
+    when it turns true the workers are killed and InterruptedError raised."""
     t0 = time.perf_counter()
-    shares = [found[i::workers] for i in range(workers)]
-    procs = []
-    for share in shares:
-        if not share:
-            continue
-        p = subprocess.Popen(
-            [sys.executable, "-m", "kalos.index.kernels.precompile", str(device)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        )  # fmt: skip
-        procs.append((p, share))
-    for p, share in procs:
-        assert p.stdin is not None
-        p.stdin.write(pickle.dumps(share))
-        p.stdin.close()
+    with ExitStack() as files:  # files, not pipes: a worker's output never blocks it
+        procs = []
+        for share in (found[i::workers] for i in range(workers)):
+            if not share:
+                continue
+            out, err = (files.enter_context(tempfile.TemporaryFile()) for _ in range(2))
+            with tempfile.TemporaryFile() as given:
+                given.write(pickle.dumps(share))
+                given.seek(0)
+                p = subprocess.Popen(
+                    [sys.executable, "-m", "kalos.index.kernels.precompile", str(device)],
+                    stdin=given, stdout=out, stderr=err,
+                )  # fmt: skip
+            procs.append((p, out, err))
+        failures = _wait(procs, stop, timeout)
+        compiled, keys = 0, []
+        for p, out, err in procs:
+            out.seek(0)
+            err.seek(0)
+            if p.returncode == 0:
+                done = pickle.loads(out.read())
+                compiled += done["compiled"]
+                keys += done["keys"]
+            else:
+                tail = err.read().decode(errors="replace").strip().splitlines()[-1:] or [""]
+                failures.append(f"worker exited {p.returncode}: {tail[0]}")
+    for f in failures:
+        log.warning("kernel precompile: %s (those variants compile at the warm-up)", f)
+    return {"variants": len(found), "compiled": compiled, "workers": len(procs),
+            "seconds": round(time.perf_counter() - t0, 2), "failures": failures,
+            "keys": keys}  # fmt: skip
+
+
+def _wait(procs: list[tuple[Any, Any, Any]], stop: Callable[[], bool] | None, timeout: float
+          ) -> list[str]:  # fmt: skip
+    """Until every worker has exited (a stop or the timeout kills those still running)."""
     failures: list[str] = []
     deadline = time.monotonic() + timeout
     try:
-        while any(p.poll() is None for p, _ in procs):
+        while any(p.poll() is None for p, _, _ in procs):
             if stop is not None and stop():
                 raise InterruptedError("stopped during the kernel precompile")
             if time.monotonic() > deadline:
@@ -162,32 +188,38 @@ def compile_all(found: list[tuple[str, str, tuple, dict]], *, device: int, worke
                 break
             time.sleep(0.05)
     finally:
-        for p, _ in procs:
+        for p, _, _ in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    compiled = 0
-    for p, _ in procs:
-        assert p.stdout is not None and p.stderr is not None
-        out, err = p.stdout.read(), p.stderr.read()
-        p.stdout.close()
-        p.stderr.close()
-        if p.returncode == 0:
-            compiled += int(out.decode() or 0)
-        else:
-            tail = err.decode(errors="replace").strip().splitlines()[-1:] or [""]
-            failures.append(f"worker exited {p.returncode}: {tail[0]}")
-    for f in failures:
-        log.warning("kernel precompile: %s (those variants compile at the warm-up)", f)
-    return {"variants": len(found), "compiled": compiled, "workers": len(procs),
-            "seconds": round(time.perf_counter() - t0, 2), "failures": failures}  # fmt: skip
+    return failures
 
 
-def _compile_share(share: list[tuple[str, str, tuple, dict]], device: int) -> int:
+@contextmanager
+def compiles() -> Iterator[list[tuple[str, str]]]:
+    """Within it, each kernel variant this process compiles or loads from the disk cache
+    (first use in the process) is noted in the list it yields as (the JIT's key, a readable
+    name), through Triton's ``jit_cache_hook`` (a hook already set still runs)."""
+    from triton import knobs
+
+    noted: list[tuple[str, str]] = []
+    before = knobs.runtime.jit_cache_hook
+
+    def hook(*, key: Any, repr: str, **kwargs: Any) -> bool | None:
+        noted.append((str(key), repr))
+        return before(key=key, repr=repr, **kwargs) if before is not None else None
+
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        yield noted
+    finally:
+        knobs.runtime.jit_cache_hook = before
+
+
+def _compile_share(share: list[tuple[str, str, tuple, dict]], device: int) -> dict[str, Any]:
     """A worker's part: each variant through the JIT's warmup (compiled, cached, not run)
-    and loaded.
-    A tensor argument is a small tensor of its dtype at its address mod 16 (all the JIT reads
-    of a tensor); the rest go as they were."""
+    and loaded. A tensor argument is a small tensor of its dtype at its address mod 16 (all
+    the JIT reads of a tensor); the rest go as they were."""
     import torch
 
     torch.cuda.set_device(device)
@@ -200,24 +232,25 @@ def _compile_share(share: list[tuple[str, str, tuple, dict]], device: int) -> in
         return x
 
     done = 0
-    for module, name, args, kwargs in share:
-        kernel = getattr(importlib.import_module(module), name)
-        compiled = kernel.warmup(
-            *(real(a) for a in args), grid=(1,), **{k: real(x) for k, x in kwargs.items()}
-        )
-        compiled = compiled.result() if hasattr(compiled, "result") else compiled
-        # its launcher too (a C module built per signature, into the same disk cache), and
-        # the binary loaded once, which checks it fits the device (shared memory, threads)
-        init = getattr(compiled, "_init_handles", None)
-        if init is not None:
-            init()
-        done += 1
-    return done
+    with compiles() as noted:
+        for module, name, args, kwargs in share:
+            kernel = getattr(importlib.import_module(module), name)
+            compiled = kernel.warmup(
+                *(real(a) for a in args), grid=(1,), **{k: real(x) for k, x in kwargs.items()}
+            )
+            compiled = compiled.result() if hasattr(compiled, "result") else compiled
+            # its launcher too (a C module built per signature, into the same disk cache),
+            # and the binary loaded once, which checks it fits the device (shared memory)
+            init = getattr(compiled, "_init_handles", None)
+            if init is not None:
+                init()
+            done += 1
+    return {"compiled": done, "keys": [key for key, _ in noted]}
 
 
 def main() -> int:
     share = pickle.loads(sys.stdin.buffer.read())
-    sys.stdout.write(str(_compile_share(share, int(sys.argv[1]))))
+    sys.stdout.buffer.write(pickle.dumps(_compile_share(share, int(sys.argv[1]))))
     return 0
 
 
