@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from kalos import __version__
+from kalos import __version__, filters
 from kalos.errors import (
     Conflict,
     InvalidRequest,
@@ -77,6 +77,7 @@ _RECALL_GPU = int(codes.RecallFlag.GPU_RESULT)
 _RECALL_SYSTEM = int(codes.RecallResponseFlag.SYSTEM)
 _RECALL_ON_GPU = int(codes.RecallResponseFlag.TOKENS_ON_GPU)
 # The CONTEXT path's codecs, bound once (a module attribute lookup costs ~0.02 µs).
+_SEARCH_FILTERED = codes.SEARCH_FILTER | codes.SEARCH_WANT_META
 _decode_context = M.decode_context
 _encode_context_tokens_response = M.encode_context_tokens_response
 
@@ -134,6 +135,7 @@ class Dispatcher:
             Op.EVENTS: self._events,
             Op.FORGET: self._forget,
             Op.RECALL: self._recall,
+            Op.LOOKUP: self._lookup,
         }
 
     def info(self) -> dict[str, Any]:
@@ -225,8 +227,9 @@ class Dispatcher:
     def _add(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
         req = M.decode_add(body, len(body), flags)
         added, replaced = self.memories.add(
-            req.ids, req.vectors, req.kinds, req.offsets, req.blob, req.scope, req.tokens
-        )
+            req.ids, req.vectors, req.kinds, req.offsets, req.blob, req.scope, req.tokens,
+            req.meta, req.keys,
+        )  # fmt: skip
         return M.encode_counts(out, added, replaced), 0
 
     def _remove(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
@@ -237,7 +240,9 @@ class Dispatcher:
     def _search(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
         if flags & (codes.SEARCH_GPU_RESULT | codes.SEARCH_GPU_QUERY):
             return self._search_to_device(flags, body, out)
-        req = M.decode_search(body, len(body))
+        req = M.decode_search(body, len(body), flags=flags)
+        if flags & _SEARCH_FILTERED:
+            return self._search_filtered(flags, req, out)
         if not flags & codes.SEARCH_WANT_PAYLOADS:  # the results go straight into the response
             codes.check_k(req.k)  # a bad k is INVALID_REQUEST, before its response's size is judged
             n, scores, ids = M.search_response_views(out, len(req.queries), req.k)
@@ -250,9 +255,32 @@ class Dispatcher:
         n = M.encode_search_response(out, scores, ids, self.memories.payloads(ids))
         return n, t
 
+    def _search_filtered(
+        self, flags: int, req: M.SearchRequest, out: np.ndarray
+    ) -> tuple[int, int]:
+        """A search with a metadata filter, or one that returns metadata (1.5)."""
+        where = None if req.where is None else filters.parse(req.where)
+        scores, ids = self.memories.search(req.queries, req.k, req.scope, where=where)
+        t = _monotonic_ns()
+        payloads = self.memories.payloads(ids) if flags & codes.SEARCH_WANT_PAYLOADS else None
+        entries = self.memories.entries(ids) if flags & codes.SEARCH_WANT_META else None
+        return M.encode_search_response(out, scores, ids, payloads, entries), t
+
+    def _lookup(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
+        """Memories by id: a one-row SEARCH response of the ids found (scores 0)."""
+        ids = self.memories.present(M.decode_lookup(body, len(body)))[None, :]
+        t = _monotonic_ns()
+        scores = np.zeros(ids.shape, np.float32)
+        n = M.encode_search_response(
+            out, scores, ids, self.memories.payloads(ids), self.memories.entries(ids)
+        )
+        return n, t
+
     def _search_to_device(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
         """GPU-result mode: the results go to the channel's GPU buffer; the response body is
         the SEARCH response header alone (nq, k, no payloads)."""
+        if flags & _SEARCH_FILTERED:
+            raise InvalidRequest("a GPU-result search takes no metadata filter")
         if self.gpu_buffer is None:
             raise InvalidRequest(
                 "this channel has no GPU result buffer: connect with gpu_results=True to a "
@@ -429,7 +457,10 @@ class Dispatcher:
         return n, t
 
     def _forget(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
-        _, _, scope, _ = M.decode_scoped(body, len(body))
+        _, _, scope, off = M.decode_scoped(body, len(body))
+        if flags & codes.FORGET_FILTER:  # memories only: sessions and state have no metadata
+            where = filters.parse(M.decode_filter_at(body, off, len(body)))
+            return M.encode_forgotten(out, (self.memories.forget(scope, where), 0, 0, 0)), 0
         if not any(scope):
             raise InvalidRequest("forget needs a scope: a tenant, a user or a session")
         memories = self.memories.forget(scope)
