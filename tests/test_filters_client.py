@@ -3,6 +3,7 @@ and across a restart of a sidecar with a data directory."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 from collections.abc import Callable
 
@@ -171,3 +172,34 @@ def test_metadata_survives_a_restart(sidecar: Callable[..., RunningSidecar], tmp
         live -= gone
         client.close()
         running.stop(signal.SIGKILL if turn else signal.SIGTERM)
+
+
+@pytest.mark.parametrize("transport", ["inproc"], indirect=True)
+def test_recall_takes_a_filter(client: kalos.Client) -> None:
+    base = unit_rows(6)
+    client.add(base, [f"m{i}" for i in range(6)], [f"memory {i}" for i in range(6)],
+               tokens=[[i + 1] for i in range(6)],
+               metadata=[{"kind": "fact" if i % 2 else "chat"} for i in range(6)])  # fmt: skip
+    client.append_turn("s1", "user", "hi", tokens=[100, 101])
+    r = client.recall("s1", base[0], k=6, max_tokens=100, where={"kind": "fact"})
+    hits = [int(x) for x in r.ids if x != -1]
+    assert sorted(hits) == sorted(kalos.key_id(f"m{i}") for i in (1, 3, 5))
+    with pytest.raises(InvalidRequest, match="unknown filter operator"):
+        client.recall("s1", base[0], k=2, max_tokens=100, where={"kind": {"like": "f"}})
+
+
+def test_the_async_client_filters_too() -> None:
+    from conftest import make_inproc_connector
+
+    async def main() -> None:
+        connector = make_inproc_connector()
+        async with kalos.AsyncClient("inproc", connector=connector) as client:
+            base = unit_rows(4)
+            await client.add(base, ["a", "b", "c", "d"], metadata=[{"n": i} for i in range(4)])
+            hits = await client.search(base[0], 4, where={"n": {"gte": 2}}, metadata=True)
+            assert hits.keys is not None
+            assert sorted(k for k in hits.keys if k) == ["c", "d"]
+            assert [m.key for m in await client.lookup(["d", "a"])] == ["d", "a"]
+            assert await client.remove(where={"n": 3}) == 1
+
+    asyncio.run(main())

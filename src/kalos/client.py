@@ -791,6 +791,7 @@ class Client:
         scope: Scope | None = None,
         device: str | None = None,
         copy: bool = False,
+        where: Any = None,
         timeout: float | None = None,
     ) -> Recall:
         """The whole memory step of one LLM request in one round trip: ``session``'s context
@@ -814,7 +815,8 @@ class Client:
         sidecar; ``max_tokens`` at most the buffer's token slots, 131,072), no copy,
         complete when this returns. The arrays are views valid until this thread's next
         call; ``copy=True`` owns them (a clone on the GPU). With ``on_unavailable="degrade"``
-        an unavailable sidecar gives an empty Recall with ``degraded=True``.
+        an unavailable sidecar gives an empty Recall with ``degraded=True``. ``where``: a
+        metadata filter on the memories (docs/FILTERS.md), beside ``scope``.
         """
         start = _monotonic_ns()
         if type(session) is not str or not session:
@@ -829,9 +831,12 @@ class Client:
         sb = scope_bytes(scope)
         on_gpu = _on_gpu(device)
         flags = int(codes.RecallFlag.GPU_RESULT) if on_gpu else 0
+        wire = None if where is None else filters.dumps(where)
+        if wire is not None:
+            flags |= int(codes.RecallFlag.FILTER)
         try:
             t = self._channel(timeout)
-            self._needs(t, 1, "recall")
+            self._needs(t, 1 if wire is None else 5, "recall" if wire is None else "recall(where=)")
             gpu = self._local.lent.gpu if on_gpu else None
             if on_gpu:
                 if gpu is None:
@@ -849,7 +854,7 @@ class Client:
             n = M.encode_recall(
                 t.request_buffer, session.encode(), q, int(k), max_tokens,
                 _NO_LIMIT if max_turns is None else max_turns,
-                _NO_LIMIT if memory_tokens is None else memory_tokens, sb,
+                _NO_LIMIT if memory_tokens is None else memory_tokens, sb, wire,
             )  # fmt: skip
             resp = self._call(t, Op.RECALL, flags, n, timeout, start)
         except _UNAVAILABLE:

@@ -350,7 +350,7 @@ class Dispatcher:
         """The session's context and the top-k memories as one token sequence
         (kalos.stores.recall); with RecallFlag.GPU_RESULT the token ids go into the channel's
         GPU result buffer and the response carries the rest."""
-        req = M.decode_recall(body, len(body))
+        req = M.decode_recall(body, len(body), flags)
         to_gpu = bool(flags & _RECALL_GPU)
         buffer = self.gpu_buffer
         if to_gpu:

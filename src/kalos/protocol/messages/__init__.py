@@ -41,11 +41,14 @@ from kalos.protocol.messages.common import (
     encode_counts,
     encode_scope_fields,
     encode_text,
+    json_section_size,
     owner_of,
+    read_json_section,
     read_scope,
     session_of,
     vector_dtype,
     wire_dtype,
+    write_json_section,
     write_scope,
 )
 from kalos.protocol.messages.memories import (
@@ -68,12 +71,9 @@ from kalos.protocol.messages.memories import (
     encode_search_device_response,
     encode_search_header,
     encode_search_response,
-    json_section_size,
-    read_json_section,
     search_request_size,
     search_response_size,
     search_response_views,
-    write_json_section,
 )
 from kalos.protocol.messages.recall import (
     RECALL_PARTS_AT,

@@ -17,49 +17,22 @@ from kalos.protocol.messages.common import (
     _HEAD4,
     _I64,
     _NO_SCOPE,
+    _U64X2,
     ScopeBytes,
     _array,
     _fit,
     _matrix,
     _need,
     _pad8,
+    json_section_size,
+    read_json_section,
     read_scope,
     vector_dtype,
     wire_dtype,
+    write_json_section,
     write_scope,
 )
 from kalos.types import Scope
-
-# -- JSON sections (1.5): metadata, string ids, filters ----------------------------------------
-
-_U64X2 = struct.Struct("<QQ")
-
-
-def json_section_size(data: bytes) -> int:
-    """Bytes of a JSON section: ``u64 length, u64 0``, the UTF-8 JSON padded to 8."""
-    return 16 + _pad8(len(data))
-
-
-def write_json_section(buf: np.ndarray, off: int, data: bytes) -> int:
-    """Writes a JSON section at ``off``; returns the offset after it."""
-    _U64X2.pack_into(buf, off, len(data), 0)
-    off += 16
-    if data:
-        buf[off : off + len(data)] = np.frombuffer(data, np.uint8)
-    pad = _pad8(len(data)) - len(data)
-    if pad:
-        buf[off + len(data) : off + len(data) + pad] = 0
-    return off + _pad8(len(data))
-
-
-def read_json_section(buf: np.ndarray, off: int, end: int) -> tuple[bytes, int]:
-    """(the JSON bytes, the offset after the section) of a section at ``off``."""
-    _need(off + 16, end)
-    n, _ = _U64X2.unpack_from(buf, off)
-    off += 16
-    if n > end - off:
-        raise InvalidRequest("a JSON section's length points outside the request")
-    return bytes(buf[off : off + n]), off + _pad8(n)
 
 
 def _json(data: bytes, what: str) -> object:
@@ -491,7 +464,7 @@ decode_lookup = decode_remove
 
 def encode_filter_tail(where: bytes) -> bytes:
     """The tail of a FORGET body with flag FORGET_FILTER: the filter's JSON section."""
-    return _U64X2.pack(len(where), 0) + where
+    return _U64X2.pack(len(where), 0) + where  # encode_scoped pads the tail to 8
 
 
 def decode_filter_at(buf: np.ndarray, off: int, end: int) -> bytes:
