@@ -203,3 +203,14 @@ def test_the_async_client_filters_too() -> None:
             assert await client.remove(where={"n": 3}) == 1
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("transport", ["inproc"], indirect=True)
+def test_lookup_keeps_to_its_scope(client: kalos.Client) -> None:
+    vec = unit_rows(2)
+    client.add(vec[:1], ["a"], scope=Scope("t1"))
+    client.add(vec[1:], ["b"], scope=Scope("t2", "u"))
+    assert [m.key for m in client.lookup(["a", "b"], scope=Scope("t1"))] == ["a"]
+    assert [m.key for m in client.lookup(["a", "b"], scope=Scope("t2", "u"))] == ["b"]
+    assert client.lookup(["a", "b"], scope=Scope("t3")) == []
+    assert len(client.lookup(["a", "b"])) == 2

@@ -1117,19 +1117,24 @@ class Client:
         return Forgotten(*M.decode_forgotten(resp.body, len(resp.body)))
 
     def lookup(
-        self, ids: np.ndarray | Sequence[int | str] | int | str, *, timeout: float | None = None
+        self,
+        ids: np.ndarray | Sequence[int | str] | int | str,
+        *,
+        scope: Scope | None = None,
+        timeout: float | None = None,
     ) -> list[Memory]:
         """The stored memories among ``ids`` (ints or string ids), in the order asked, each
-        once; unknown ids are left out. Owned objects."""
+        once; unknown ids, and with ``scope`` those outside it, are left out. Owned."""
         id_arr = item_ids(ids)[0]
         out: list[Memory] = []
+        sb = scope_bytes(scope)
         t = self._channel(timeout)
         self._needs(t, 5, "lookup")
-        step = max((len(t.request_buffer) - 8) // 8, 1)
+        step = max((len(t.request_buffer) - 8 - sb.nbytes) // 8, 1)
         for i in range(0, len(id_arr), step):
             start = _monotonic_ns()
             t = self._channel(timeout)
-            size = M.encode_lookup(t.request_buffer, id_arr[i : i + step])
+            size = M.encode_lookup(t.request_buffer, id_arr[i : i + step], sb)
             resp = self._call(t, Op.LOOKUP, 0, size, timeout, start)
             r = M.decode_search_response(resp.body, len(resp.body))
             entries = r.entries or []

@@ -103,7 +103,7 @@ def valid_bodies(rng: np.random.Generator) -> list[tuple[int, int, bytes]]:
         key_ids[0] = kalos.key_id("k0")
         meta = M.add_meta_json(metas, keys)
         put(Op.ADD, codes.ADD_HAS_META, M.encode_add(buf, key_ids, v, kinds, blobs, sb, None, meta))
-        put(Op.LOOKUP, 0, M.encode_lookup(buf, key_ids))
+        put(Op.LOOKUP, 0, M.encode_lookup(buf, key_ids, sb))
         for _ in range(3):
             where = json.dumps(random_filter(rng, 3)).encode()
             q1 = rng.standard_normal((1, DIM)).astype(np.float32)

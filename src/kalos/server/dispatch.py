@@ -268,7 +268,7 @@ class Dispatcher:
 
     def _lookup(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
         """Memories by id: a one-row SEARCH response of the ids found (scores 0)."""
-        ids = self.memories.present(M.decode_lookup(body, len(body)))[None, :]
+        ids = self.memories.present(*M.decode_lookup(body, len(body)))[None, :]
         t = _monotonic_ns()
         scores = np.zeros(ids.shape, np.float32)
         n = M.encode_search_response(

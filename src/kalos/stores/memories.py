@@ -389,11 +389,19 @@ class MemoryStore:
         nulls for -1 and for none)."""
         return json.dumps(self.metadata.entries(ids.reshape(-1).tolist())).encode()
 
-    def present(self, ids: np.ndarray) -> np.ndarray:
-        """The ones of ``ids`` [n] that are stored, in order (first occurrences)."""
+    def present(self, ids: np.ndarray, scope: Scope | None = None) -> np.ndarray:
+        """The ones of ``ids`` [n] that are stored and match ``scope``, in order (first
+        occurrences)."""
         _, first = np.unique(ids, return_index=True)
         ids = ids[np.sort(first)]
-        return ids[self._scoped.rows_of(ids) >= 0]
+        rows = self._scoped.rows_of(ids)
+        keep = rows >= 0
+        codes = self.scopes.filter(scope)
+        if codes is not None:
+            if NO_MATCH in codes:
+                return ids[:0]
+            keep &= scope_mask(self._scoped.scope_columns[:, np.maximum(rows, 0)], codes)
+        return ids[keep]
 
     # -- snapshots ---------------------------------------------------------------------------
 

@@ -455,11 +455,26 @@ def decode_remove(buf: np.ndarray, end: int) -> np.ndarray:
 
 
 # -- LOOKUP (1.5) --------------------------------------------------------------------------
-# Request: ``u32 n, u32 0``, ``i64 ids[n]`` (REMOVE's body). Response: a SEARCH response of
-# one row holding the ids found, in request order (scores 0), with payloads and entries.
+# Request: ``u32 n, u32 0``, scope block (filter), ``i64 ids[n]``. Response: a SEARCH
+# response of one row holding the ids found that match the scope, in request order (each
+# once, scores 0), with payloads and entries.
 
-encode_lookup = encode_remove
-decode_lookup = decode_remove
+
+def encode_lookup(buf: np.ndarray, ids: np.ndarray, sb: ScopeBytes) -> int:
+    n = len(ids)
+    size = 8 + sb.nbytes + n * 8
+    _fit(size, len(buf), f"lookup of {n} ids")
+    _HEAD2.pack_into(buf, 0, n, 0)
+    off = write_scope(buf, 8, sb)
+    buf[off:size].view(np.int64)[:] = ids
+    return size
+
+
+def decode_lookup(buf: np.ndarray, end: int) -> tuple[np.ndarray, Scope]:
+    _need(8, end)
+    n, _ = _HEAD2.unpack_from(buf, 0)
+    scope, off = read_scope(buf, 8, end)
+    return _array(buf, off, np.dtype(np.int64), n, end), scope
 
 
 def encode_filter_tail(where: bytes) -> bytes:
