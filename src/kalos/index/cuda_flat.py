@@ -453,19 +453,72 @@ class CudaFlatIndex:
         )
 
     def search(
-        self, queries: Any, k: int, *, scope: tuple[int, int, int] | None = None
+        self,
+        queries: Any,
+        k: int,
+        *,
+        scope: tuple[int, int, int] | None = None,
+        allow: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Exact top-k: (scores [nq, k] float32, ids [nq, k] int64), numpy copies owned by the
         caller. ip/cosine descending, l2 squared distance ascending; missing results are id -1
-        with score -inf (ip/cosine) or +inf (l2)."""
+        with score -inf (ip/cosine) or +inf (l2). ``allow``: ids [m] int64, the only ones that
+        may be returned (a metadata filter's matches): see :meth:`_search_allowed`."""
         q = self._vectors_in(queries, "queries", normalise=False)
         k = _k_in(k)
         filt = _scope_in(scope)
         fp16_query = self.metric != "cosine" and self.dtype == "fp16" and q.numel()
         if fp16_query and float(q.abs().max()) > _FP16_MAX:
             raise InvalidRequest("query values exceed fp16's range (65504)")
+        if allow is not None:
+            return self._search_allowed(q, k, filt, allow)
         scores, ids = self.search_device(q, k, scope=filt)
         return scores.cpu().numpy(), ids.cpu().numpy()
+
+    def _search_allowed(
+        self, q: Any, k: int, filt: tuple[int, int, int] | None, allow: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The exact top-k of the rows whose id is in ``allow`` (and that match ``filt``): the
+        gather path. The allowed rows are looked up on the host (the id map), gathered on the
+        device and scored there in fp32, then ``torch.topk``: the cost follows the rows that
+        match, not the index. q: [nq, dim]."""
+        torch = self._torch
+        nq = q.shape[0]
+        worst = np.inf if self.metric == "l2" else -np.inf
+        out_s = np.full((nq, k), worst, np.float32)
+        out_i = np.full((nq, k), -1, np.int64)
+        wanted = _to_numpy(allow).astype(np.int64, copy=False).reshape(-1)
+        if self._n == 0 or wanted.size == 0:
+            return out_s, out_i
+        get = self._id_map().get
+        rows = np.fromiter((get(i, -1) for i in wanted.tolist()), np.int64, wanted.size)
+        rows = np.unique(rows[rows >= 0])
+        if rows.size == 0:
+            return out_s, out_i
+        rows_t = torch.from_numpy(rows).to(self.device)
+        if filt is not None:
+            keep = torch.ones(rows.size, dtype=torch.bool, device=self.device)
+            scopes = self._scopes.index_select(1, rows_t)  # [3, m]
+            for field, want in enumerate(filt):
+                if want:
+                    keep &= scopes[field] == want
+            rows_t = rows_t[keep]
+            if rows_t.numel() == 0:
+                return out_s, out_i
+        vecs = self._vecs.index_select(0, rows_t).float()  # [m, dim]
+        qf = q.to(self.device).float()  # [nq, dim]
+        if self.metric == "cosine":
+            qf = qf / qf.norm(dim=1, keepdim=True).clamp_min(1e-30)
+        if self.metric == "l2":
+            # [nq, m] squared distances, from differences (no |q|² - 2q·x cancellation)
+            scores = torch.cdist(qf, vecs, compute_mode="donot_use_mm_for_euclid_dist").square()
+        else:
+            scores = qf @ vecs.T  # [nq, m]
+        kk = min(k, scores.shape[1])
+        best, pos = torch.topk(scores, kk, dim=1, largest=self.metric != "l2", sorted=True)
+        out_s[:, :kk] = best.cpu().numpy()
+        out_i[:, :kk] = self._ids.index_select(0, rows_t)[pos.reshape(-1)].reshape(nq, kk).cpu()
+        return out_s, out_i
 
     # ------------------------------------------------------------------------------ device path
 

@@ -1,0 +1,67 @@
+"""CudaFlatIndex.search(allow=...) on the CPU, under TRITON_INTERPRET=1: the exact top-k of
+the allowed rows (a metadata filter's matches), with and without a scope filter, after
+removals, against the float64 reference of tests/cuda_reference.py; and random filters over
+random metadata through the same path."""
+
+from __future__ import annotations
+
+# isort: off
+from triton_interp import torch, triton  # noqa: F401  (first: sets TRITON_INTERPRET)
+
+# isort: on
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cuda_reference import check_result, make_index
+from kalos import filters
+from kalos.stores.metadata import MetadataTable
+from test_filters import FILTERS, METAS
+
+
+@pytest.mark.parametrize(
+    "metric,dtype,nq,k,share",
+    [("ip", "fp16", 1, 10, 0.05), ("cosine", "bf16", 2, 7, 0.5), ("l2", "fp32", 3, 5, 1.0)],
+)
+def test_allowed_rows_only(metric: str, dtype: str, nq: int, k: int, share: float) -> None:
+    rng = np.random.default_rng(7)
+    n, dim = 300, 32
+    idx = make_index(metric, dtype, dim, "cpu")
+    x = rng.standard_normal((n, dim)).astype(np.float32)
+    ids = rng.permutation(10 * n)[:n].astype(np.int64) + 1
+    scopes = np.stack([rng.integers(1, 3, n), np.zeros(n, np.int64), np.zeros(n, np.int64)], 1)
+    idx.add(x, ids, scopes)
+    gone = ids[:20]
+    idx.remove(gone)
+    live = np.ones(n, bool)
+    live[:20] = False
+    allowed = rng.random(n) < share
+    allow = np.concatenate([ids[allowed], [999_999]])  # an unknown id is ignored
+    q = rng.standard_normal((nq, dim)).astype(np.float32)
+    for scope in (None, (1, 0, 0)):
+        s, got = idx.search(q, k, scope=scope, allow=allow)
+        keep = live & allowed
+        check_result(idx, x[keep], ids[keep], scopes[keep], q, k, s, got, scope=scope)
+    s, got = idx.search(q, k, allow=np.empty(0, np.int64))
+    assert (got == -1).all()
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(metas=st.lists(METAS, min_size=1, max_size=40), where=FILTERS)
+def test_random_filters_through_the_gather_path(metas: list, where: dict) -> None:
+    rng = np.random.default_rng(len(metas))
+    n, dim = len(metas), 16
+    idx = make_index("ip", "fp32", dim, "cpu")
+    x = rng.standard_normal((n, dim)).astype(np.float32)
+    ids = np.arange(n, dtype=np.int64) + 1
+    idx.add(x, ids)
+    table = MetadataTable()
+    table.upsert(ids.tolist(), metas, None)
+    node = filters.parse(where)
+    allow = table.matching(node)
+    keep = np.array([filters.matches(node, m) for m in metas])
+    q = rng.standard_normal((1, dim)).astype(np.float32)
+    s, got = idx.search(q, 5, allow=allow)
+    check_result(idx, x[keep], ids[keep], None, q, 5, s, got)
