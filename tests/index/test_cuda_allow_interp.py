@@ -1,7 +1,8 @@
 """CudaFlatIndex.search(allow=...) on the CPU, under TRITON_INTERPRET=1: the exact top-k of
 the allowed rows (a metadata filter's matches), with and without a scope filter, after
-removals, against the float64 reference of tests/cuda_reference.py; and random filters over
-random metadata through the same path."""
+removals, against the float64 reference of tests/cuda_reference.py, on both of its paths (a
+gather of the few allowed rows; the scan kernel with a row mask); and random filters over
+random metadata through it."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def test_allowed_rows_only(metric: str, dtype: str, nq: int, k: int, share: floa
     idx = make_index(metric, dtype, dim, "cpu")
     x = rng.standard_normal((n, dim)).astype(np.float32)
     ids = rng.permutation(10 * n)[:n].astype(np.int64) + 1
-    scopes = np.stack([rng.integers(1, 3, n), np.zeros(n, np.int64), np.zeros(n, np.int64)], 1)
+    scopes = np.stack([rng.integers(1, 3, n), np.zeros(n, np.int64), rng.integers(4, 6, n)], 1)
     idx.add(x, ids, scopes)
     gone = ids[:20]
     idx.remove(gone)
@@ -40,17 +41,21 @@ def test_allowed_rows_only(metric: str, dtype: str, nq: int, k: int, share: floa
     allowed = rng.random(n) < share
     allow = np.concatenate([ids[allowed], [999_999]])  # an unknown id is ignored
     q = rng.standard_normal((nq, dim)).astype(np.float32)
-    for scope in (None, (1, 0, 0)):
+    masked = []  # which path each search took: the kernel with a row mask, or the gather
+    scan = idx._search_masked
+    idx._search_masked = lambda *a: masked.append(1) or scan(*a)  # type: ignore[method-assign]
+    for scope in (None, (1, 0, 0), (1, 0, 5)):
         s, got = idx.search(q, k, scope=scope, allow=allow)
-        keep = live & allowed
+        keep = live & allowed & (scopes[:, 2] == 5 if scope == (1, 0, 5) else True)
         check_result(idx, x[keep], ids[keep], scopes[keep], q, k, s, got, scope=scope)
+    assert len(masked) == (3 if share >= 1 / 16 else 0)
     s, got = idx.search(q, k, allow=np.empty(0, np.int64))
     assert (got == -1).all()
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(metas=st.lists(METAS, min_size=1, max_size=40), where=FILTERS)
-def test_random_filters_through_the_gather_path(metas: list, where: dict) -> None:
+def test_random_filters_through_the_cuda_index(metas: list, where: dict) -> None:
     rng = np.random.default_rng(len(metas))
     n, dim = len(metas), 16
     idx = make_index("ip", "fp32", dim, "cpu")
