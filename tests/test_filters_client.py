@@ -214,3 +214,27 @@ def test_lookup_keeps_to_its_scope(client: kalos.Client) -> None:
     assert [m.key for m in client.lookup(["a", "b"], scope=Scope("t2", "u"))] == ["b"]
     assert client.lookup(["a", "b"], scope=Scope("t3")) == []
     assert len(client.lookup(["a", "b"])) == 2
+
+
+def test_metadata_counts_against_the_tenant_byte_limit() -> None:
+    import threading
+
+    from kalos.server.dispatch import Dispatcher
+    from kalos.stores.limits import Limits
+    from kalos.stores.memories import MemoryStore
+    from kalos.transport.inproc import InprocTransport
+
+    store = MemoryStore(kalos.index.create("cpu:flat", dim=DIM), Limits(tenant_max_bytes=400))
+    dispatcher, lock = Dispatcher(store), threading.Lock()
+    client = kalos.Client("inproc", connector=lambda: InprocTransport(dispatcher, lock, 1 << 20))
+    acme = Scope("acme")
+    vec = unit_rows(3)
+    client.add(vec[:2], ["a", "b"], scope=acme)  # 2 x 32 bytes of vector + 1 of id
+    with pytest.raises(InvalidRequest, match="--tenant-max-bytes"):
+        client.add(vec[2:], ["c"], scope=acme, metadata=[{"blob": "x" * 400}])
+    client.add(vec[2:], ["c"], scope=acme, metadata=[{"blob": "x" * 100}])
+    with pytest.raises(InvalidRequest, match="--tenant-max-bytes"):  # an upsert grows it
+        client.add(vec[2:], ["c"], scope=acme, metadata=[{"blob": "x" * 300}])
+    client.remove(["c"])
+    client.add(vec[2:], ["c"], scope=acme, metadata=[{"blob": "x" * 250}])
+    client.close()

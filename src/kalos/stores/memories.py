@@ -173,6 +173,16 @@ class MemoryStore:
         unique = np.unique(ids)
         if self._quota:
             token_lens = np.array([0 if b is None else len(b) for b in token_bytes], np.int64)
+            if meta is not None or keys is not None:  # metadata counts as its JSON
+                token_lens += np.array(
+                    [
+                        meta_size(
+                            None if meta is None else meta[i], None if keys is None else keys[i]
+                        )
+                        for i in range(n)
+                    ],
+                    np.int64,
+                )
             self._check_tenant(
                 scope, int(scopes[0, 0]) if n else 0, ids, unique, offsets, token_lens
             )
@@ -242,8 +252,8 @@ class MemoryStore:
         return [get(item, b"") for item in ids.reshape(-1).tolist()]
 
     def _usage(self, ids: np.ndarray) -> tuple[list[int], list[int]]:
-        """Tenant code and bytes (vector + payload + token ids) of each of ``ids`` that is
-        present."""
+        """Tenant code and bytes (vector + payload + token ids + metadata and string id as
+        JSON) of each of ``ids`` that is present."""
         rows = self._scoped.rows_of(ids)
         present = rows >= 0
         tenants = self._scoped.scope_columns[0, rows[present]].tolist()
@@ -251,10 +261,12 @@ class MemoryStore:
         get = self._payloads.get
         none = (codes.PAYLOAD_NONE, b"")
         tokens = self._tokens.get
+        metas, names = self.metadata.meta.get, self.metadata.keys.get
         sizes = [
             vector + len(get(item, none)[1]) + len(tokens(item, b""))
+            + meta_size(metas(item), names(item))
             for item in ids[present].tolist()
-        ]
+        ]  # fmt: skip
         return tenants, sizes
 
     def _tally(self, ids: np.ndarray, sign: int) -> None:
@@ -498,6 +510,12 @@ class MemoryStore:
             "payload_bytes": self._payload_bytes,
             "memory_token_bytes": self._token_bytes,
         }
+
+
+def meta_size(meta: dict[str, Any] | None, key: str | None) -> int:
+    """Bytes an item's metadata and string id count for the tenant limits: their JSON."""
+    size = 0 if meta is None else len(json.dumps(meta).encode())
+    return size if key is None else size + len(key.encode())
 
 
 def _dump_meta(meta: dict[str, Any] | None) -> str | None:
