@@ -133,6 +133,9 @@ def test_random_filters_agree_with_the_reference(metas, where, data) -> None:
         m = data.draw(METAS)
         table.upsert([i], [m], None)
         live[i] = m
+    plain = data.draw(st.lists(st.sampled_from([*ids, 500, 501]), max_size=6), label="plain")
+    table.upsert(plain, None, None)  # a plain add (no metadata), duplicates and new ids too
+    live.update(dict.fromkeys(plain))
     node = filters.parse(where)
     want = sorted(i for i, m in live.items() if reference(where, m))
     assert table.matching(node).tolist() == want

@@ -195,6 +195,9 @@ class MetadataTable(ColumnSource):
         keys: list[str | None] | None,
     ) -> None:
         """Places (or replaces) each item's metadata and string id; the last of an id wins."""
+        if meta is None and keys is None:
+            self._upsert_plain(ids)
+            return
         for i, item in enumerate(ids):
             slot = self._slot_of.get(item)
             if slot is None:
@@ -217,19 +220,45 @@ class MetadataTable(ColumnSource):
             else:
                 self.keys[item] = key
 
+    def _upsert_plain(self, ids: list[int]) -> None:
+        """Items without metadata or string id (a plain add): slots for the new ones in bulk,
+        and whatever the others had cleared."""
+        slot_of = self._slot_of
+        fresh = list(dict.fromkeys(i for i in ids if i not in slot_of))
+        for item in ids:
+            if item in self.meta or item in self.keys:
+                self.remove([item])
+                if item not in fresh:
+                    fresh.append(item)
+        reuse = min(len(self._free), len(fresh))
+        for item in fresh[:reuse]:
+            self._new_slot(item)
+        rest = fresh[reuse:]
+        if not rest:
+            return
+        first = self._used
+        self._reserve(first + len(rest))
+        self._ids[first : first + len(rest)] = rest
+        slot_of.update(zip(rest, range(first, first + len(rest)), strict=True))
+        self._used = first + len(rest)
+
+    def _reserve(self, need: int) -> None:
+        if need <= self._ids.shape[0]:
+            return
+        capacity = grown_capacity(self._ids.shape[0], need)
+        ids = np.full(capacity, -1, np.int64)
+        ids[: self._ids.shape[0]] = self._ids
+        self._ids = ids
+        for column in self._columns.values():
+            column.grow(capacity)
+
     def _new_slot(self, item: int) -> int:
         if self._free:
             slot = self._free.pop()
         else:
             slot = self._used
             self._used += 1
-            if slot >= self._ids.shape[0]:
-                capacity = grown_capacity(self._ids.shape[0], slot + 1)
-                ids = np.full(capacity, -1, np.int64)
-                ids[: self._ids.shape[0]] = self._ids
-                self._ids = ids
-                for column in self._columns.values():
-                    column.grow(capacity)
+            self._reserve(slot + 1)
         self._ids[slot] = item
         self._slot_of[item] = slot
         return slot
