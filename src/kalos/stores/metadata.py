@@ -285,12 +285,12 @@ class MetadataTable(ColumnSource):
         return column.condition(cond, n)
 
     def matching(self, node: Node) -> np.ndarray:
-        """ids [m] int64 (ascending) of the items whose metadata matches ``node``."""
+        """ids [m] int64 of the items whose metadata matches ``node``, in slot order."""
         n = self._used
         mask = evaluate(node, self, n)
         ids = self._ids[:n]
         mask &= ids >= 0
-        return np.sort(ids[mask])
+        return ids[mask]
 
     def entries(self, ids: Iterable[int]) -> list[tuple[str | None, dict[str, Any] | None]]:
         """(string id, metadata) of each id; (None, None) for none or -1."""
