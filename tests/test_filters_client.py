@@ -238,3 +238,9 @@ def test_metadata_counts_against_the_tenant_byte_limit() -> None:
     client.remove(["c"])
     client.add(vec[2:], ["c"], scope=acme, metadata=[{"blob": "x" * 250}])
     client.close()
+
+
+@pytest.mark.parametrize("transport", ["inproc"], indirect=True)
+def test_lookup_on_an_empty_store(client: kalos.Client) -> None:
+    assert client.lookup(["a", 7], scope=Scope("t")) == []
+    assert client.lookup([]) == []

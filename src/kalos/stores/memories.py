@@ -408,12 +408,13 @@ class MemoryStore:
         ids = ids[np.sort(first)]
         rows = self._scoped.rows_of(ids)
         keep = rows >= 0
+        ids, rows = ids[keep], rows[keep]
         codes = self.scopes.filter(scope)
-        if codes is not None:
+        if codes is not None and len(ids):
             if NO_MATCH in codes:
                 return ids[:0]
-            keep &= scope_mask(self._scoped.scope_columns[:, np.maximum(rows, 0)], codes)
-        return ids[keep]
+            ids = ids[scope_mask(self._scoped.scope_columns[:, rows], codes)]
+        return ids
 
     # -- snapshots ---------------------------------------------------------------------------
 
