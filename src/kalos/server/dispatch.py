@@ -76,8 +76,9 @@ _TURNS = int(codes.ContextFlag.TURNS)
 _RECALL_GPU = int(codes.RecallFlag.GPU_RESULT)
 _RECALL_SYSTEM = int(codes.RecallResponseFlag.SYSTEM)
 _RECALL_ON_GPU = int(codes.RecallResponseFlag.TOKENS_ON_GPU)
-# The CONTEXT path's codecs, bound once (a module attribute lookup costs ~0.02 µs).
+# A SEARCH with a metadata filter, or returning metadata, takes _search_filtered (1.5).
 _SEARCH_FILTERED = codes.SEARCH_FILTER | codes.SEARCH_WANT_META
+# The CONTEXT path's codecs, bound once (a module attribute lookup costs ~0.02 µs).
 _decode_context = M.decode_context
 _encode_context_tokens_response = M.encode_context_tokens_response
 

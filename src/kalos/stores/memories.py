@@ -510,6 +510,9 @@ class MemoryStore:
             "index_bytes": int(self.index.nbytes),
             "payload_bytes": self._payload_bytes,
             "memory_token_bytes": self._token_bytes,
+            "metadata_items": len(self.metadata.meta),
+            "metadata_keys": self.metadata.n_keys,
+            "string_ids": len(self.metadata.keys),
         }
 
 

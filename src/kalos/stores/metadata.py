@@ -165,6 +165,11 @@ class MetadataTable(ColumnSource):
     def __len__(self) -> int:
         return len(self._slot_of)
 
+    @property
+    def n_keys(self) -> int:
+        """Metadata keys ever seen (each has its columns)."""
+        return len(self._columns)
+
     # -- writes ------------------------------------------------------------------------------
 
     def check_keys(self, ids: Iterable[int], keys: list[str | None] | None) -> None:
