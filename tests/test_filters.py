@@ -118,7 +118,7 @@ FILTERS = st.recursive(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(metas=st.lists(METAS, min_size=1, max_size=30), where=FILTERS, data=st.data())
 def test_random_filters_agree_with_the_reference(metas, where, data) -> None:
     table = MetadataTable()
