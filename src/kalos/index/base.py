@@ -300,19 +300,20 @@ def scope_mask(columns: np.ndarray, scope: ScopeFilter) -> np.ndarray:
 
 
 ALLOW_LOOKUP_BELOW = 1 / 16
-"""``allow`` lists smaller than this share of the rows are looked up id by id; larger ones
-are matched against every row's id at once (``np.isin``: a sort, no Python per row)."""
+"""``allow`` lists smaller than this share of the rows are looked up id by id (a dict);
+larger ones by a binary search in the table's sorted ids (:meth:`RowTable.rows_of_many`)."""
 
 
 def allow_mask(table: RowTable, allow: np.ndarray) -> np.ndarray:
     """[n] bool: the table's rows whose id is in ``allow`` [m] int64."""
     n = len(table)
+    mask = np.zeros(n, bool)
     if allow.shape[0] < ALLOW_LOOKUP_BELOW * n:
         rows = table.rows_of(allow)
-        mask = np.zeros(n, bool)
         mask[rows[rows >= 0]] = True
-        return mask
-    return np.isin(table.ids, allow)
+    else:
+        mask[table.rows_of_many(allow)] = True
+    return mask
 
 
 # --- the half of a row-table backend that is not scoring ---------------------------------------
