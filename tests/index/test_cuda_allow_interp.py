@@ -49,6 +49,23 @@ def test_allowed_rows_only(metric: str, dtype: str, nq: int, k: int, share: floa
         keep = live & allowed & (scopes[:, 2] == 5 if scope == (1, 0, 5) else True)
         check_result(idx, x[keep], ids[keep], scopes[keep], q, k, s, got, scope=scope)
     assert len(masked) == (3 if share >= 1 / 16 else 0)
+    # rows move (a removal fills holes from the end; an add appends): the sorted ids follow
+    idx.remove(ids[20:40])
+    live[20:40] = False
+    for keep1 in (live & allowed, live & ~allowed):
+        s, got = idx.search(q, k, allow=ids[keep1])
+        check_result(idx, x[keep1], ids[keep1], scopes[keep1], q, k, s, got)
+    fresh = rng.standard_normal((10, dim)).astype(np.float32)
+    fresh_ids = np.arange(10, dtype=np.int64) + 10**6
+    idx.add(fresh, fresh_ids, scopes[:10])
+    x2, ids2 = np.concatenate([x, fresh]), np.concatenate([ids, fresh_ids])
+    scopes2 = np.concatenate([scopes, scopes[:10]])
+    for keep2 in (  # the same ids again, and the others (rows that moved among them)
+        np.concatenate([live & allowed, np.ones(10, bool)]),
+        np.concatenate([live & ~allowed, np.ones(10, bool)]),
+    ):
+        s, got = idx.search(q, k, allow=ids2[keep2])
+        check_result(idx, x2[keep2], ids2[keep2], scopes2[keep2], q, k, s, got)
     s, got = idx.search(q, k, allow=np.empty(0, np.int64))
     assert (got == -1).all()
 

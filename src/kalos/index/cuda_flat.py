@@ -179,6 +179,7 @@ class CudaFlatIndex:
         self._generation = 0  # bumped whenever storage moves (graphs recapture)
         self._row_ids = np.empty(0, dtype=np.int64)  # host mirror of ids[:cap]
         self._map: dict[int, int] | None = {}  # id -> row; None = rebuild from _row_ids
+        self._sorted: Any = None  # (live ids sorted, their rows) on the device; None: stale
         self._workspaces: dict[tuple[int, int, bool], dict[str, Any]] = {}
         # device storage, set by _alloc: vectors [cap, dim], ids [cap], scopes [3, cap], sq [cap]
         self._vecs: Any = None
@@ -360,6 +361,8 @@ class CudaFlatIndex:
                 self._codes.index_copy_(cdim, rows_t, codes)
                 self._meta.index_copy_(1, rows_t, meta)
         self._row_ids[rows] = id_arr
+        if n_new:
+            self._sorted = None
         if self._map is not None:
             if self._n == 0 and n_new == m:
                 self._map = None  # bulk load: build lazily, on the first upsert/remove
@@ -401,6 +404,7 @@ class CudaFlatIndex:
         if rows.size == 0:
             return 0
         rows.sort()
+        self._sorted = None
         n_old = self._n
         n_new = n_old - rows.size
         holes = rows[rows < n_new]
@@ -427,6 +431,7 @@ class CudaFlatIndex:
     def reset(self) -> None:
         """Drop every item; the storage (and captured graphs) stay."""
         self._map = {}
+        self._sorted = None
         self._row_ids[: self._n] = -1
         self._set_n(0)
 
@@ -485,8 +490,8 @@ class CudaFlatIndex:
     ) -> tuple[np.ndarray, np.ndarray]:
         """The exact top-k of the rows whose id is in ``allow`` (and that match ``filt``).
 
-        The allowed rows are found on the host (the id map for a few ids, one ``np.isin``
-        over the rows' ids for many). Fewer than :data:`ALLOW_GATHER_BELOW` of the rows: the
+        The allowed rows are found on the host for a few ids (the id map), on the device for
+        many (:meth:`_rows_on_device`). Fewer than :data:`ALLOW_GATHER_BELOW` of the rows: the
         gather path, those rows gathered on the device, scored there in fp32, then
         ``torch.topk`` (the cost follows the rows that match, not the index). More: the scan
         kernel itself, with the allowed rows as a row mask (:meth:`_search_masked`).
@@ -502,16 +507,15 @@ class CudaFlatIndex:
         if wanted.size < self._n // 16:  # a few: look each up (a dict lookup each)
             get = self._id_map().get
             rows = np.fromiter((get(i, -1) for i in wanted.tolist()), np.int64, wanted.size)
-            rows = np.unique(rows[rows >= 0])
-        else:  # many: match every row's id at once (a sort, no Python per row)
-            rows = np.flatnonzero(np.isin(self._row_ids[: self._n], wanted)).astype(np.int64)
-        if rows.size == 0:
+            rows_t = torch.from_numpy(np.unique(rows[rows >= 0])).to(self.device)
+        else:  # many: a binary search on the device, in the ids sorted there
+            rows_t = self._rows_on_device(wanted)
+        if rows_t.numel() == 0:
             return out_s, out_i
-        rows_t = torch.from_numpy(rows).to(self.device)
-        if rows.size >= ALLOW_GATHER_BELOW * self._n:
+        if rows_t.numel() >= ALLOW_GATHER_BELOW * self._n:
             return self._search_masked(q, k, filt, rows_t)
         if filt is not None:
-            keep = torch.ones(rows.size, dtype=torch.bool, device=self.device)
+            keep = torch.ones(rows_t.numel(), dtype=torch.bool, device=self.device)
             scopes = self._scopes.index_select(1, rows_t)  # [3, m]
             for field, want in enumerate(filt):
                 if want:
@@ -533,6 +537,19 @@ class CudaFlatIndex:
         out_s[:, :kk] = best.cpu().numpy()
         out_i[:, :kk] = self._ids.index_select(0, rows_t)[pos.reshape(-1)].reshape(nq, kk).cpu()
         return out_s, out_i
+
+    def _rows_on_device(self, wanted: np.ndarray) -> Any:
+        """The rows (device int64, unique) of the ones of ``wanted`` ids that are present:
+        ``torch.searchsorted`` in the live ids sorted on the device (sorted again only after a
+        write that added or moved rows), so matching many ids costs no host time per id."""
+        torch = self._torch
+        if self._sorted is None:
+            keys, order = torch.sort(self._ids[: self._n])
+            self._sorted = keys, order
+        keys, order = self._sorted
+        want = torch.from_numpy(np.ascontiguousarray(wanted)).to(self.device)
+        pos = torch.searchsorted(keys, want).clamp_(max=keys.numel() - 1)
+        return torch.unique(order[pos[keys[pos] == want]])
 
     def _search_masked(
         self, q: Any, k: int, filt: tuple[int, int, int] | None, rows_t: Any
