@@ -30,10 +30,11 @@ def test_every_name_in_all_exists() -> None:
 def test_all_lists_the_public_api() -> None:
     expected = {
         "PROTOCOL_VERSION", "AsyncClient", "Client", "ClientOptions", "ClosedError", "ConfigError",
-        "Conflict", "ConnectError", "InvalidRequest", "KalosError", "NotFound", "PayloadTooLarge",
+        "Conflict", "ConnectError", "InvalidRequest", "KalosError", "Memory", "NotFound",
+        "PayloadTooLarge",
         "ProtocolMismatch", "Recall", "RecallContext", "RecallParts", "RequestTimeout", "Scope",
         "SearchResult", "ServerError", "SidecarGone", "StoreError", "Timings", "Tls",
-        "TransportError", "__version__", "connect", "connect_async",
+        "TransportError", "__version__", "connect", "connect_async", "key_id",
     }  # fmt: skip
     assert set(kalos.__all__) == expected
 

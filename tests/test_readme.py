@@ -59,6 +59,11 @@ def _needs(block: str) -> str | None:
             import fastapi  # noqa: F401
         except ImportError:
             return "FastAPI is not installed (the asyncio example serves an app with it)"
+    if "langchain" in block:
+        try:
+            import langchain_core  # noqa: F401
+        except ImportError:
+            return "langchain-core is not installed (kalos[langchain])"
     if "gpu_results=True" in block or 'device="cuda"' in block:
         return "needs a CUDA sidecar (kalos serve --device cuda) and torch with CUDA"
     return None

@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 from kalos.async_client import AsyncClient, connect_async
 from kalos.client import (
     Client,
+    Memory,
     Recall,
     RecallContext,
     RecallParts,
@@ -41,6 +42,7 @@ from kalos.errors import (
     StoreError,
     TransportError,
 )
+from kalos.filters import key_id
 from kalos.options import ClientOptions
 from kalos.protocol import PROTOCOL_VERSION
 from kalos.transport import Tls
@@ -57,6 +59,7 @@ __all__ = [
     "ConnectError",
     "InvalidRequest",
     "KalosError",
+    "Memory",
     "NotFound",
     "PayloadTooLarge",
     "ProtocolMismatch",
@@ -75,4 +78,5 @@ __all__ = [
     "__version__",
     "connect",
     "connect_async",
+    "key_id",
 ]

@@ -449,6 +449,7 @@ class AsyncClient:
     events = _forward(Client.events)
     forget = _forward(Client.forget)
     recall = _forward(Client.recall)
+    lookup = _forward(Client.lookup)
 
 
 async def connect_async(

@@ -18,11 +18,12 @@ import json
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from kalos import filters
 from kalos.errors import (
     ClosedError,
     ConfigError,
@@ -33,6 +34,7 @@ from kalos.errors import (
     RequestTimeout,
     SidecarGone,
 )
+from kalos.filters import check_metadata, key_id
 from kalos.options import ClientOptions, ClientOptionsArgs
 from kalos.protocol import codes
 from kalos.protocol import messages as M
@@ -70,6 +72,8 @@ class SearchResult(NamedTuple):
     ``payloads`` has one entry per hit (row-major), or is None when not asked for.
     ``degraded``: the sidecar was unavailable and the client was made with
     ``on_unavailable="degrade"``: no hits (every id -1), owned arrays.
+    ``metadata`` and ``keys`` (``search(..., metadata=True)``): per hit (row-major) its
+    metadata dict and its string id (None where it has none, or for id -1); else None.
     """
 
     ids: np.ndarray
@@ -77,6 +81,17 @@ class SearchResult(NamedTuple):
     payloads: list[Payload] | None
     timings: Timings
     degraded: bool = False
+    metadata: list[dict[str, Any] | None] | None = None
+    keys: list[str | None] | None = None
+
+
+class Memory(NamedTuple):
+    """One stored memory, as :meth:`Client.lookup` returns it."""
+
+    id: int  # the int64 id (for a string id: its 63-bit key, kalos.key_id)
+    key: str | None  # the string id it was added with, or None
+    payload: Payload
+    metadata: dict[str, Any] | None
 
 
 class Turns(Sequence[tuple[str, str]]):
@@ -402,14 +417,19 @@ class Client:
         scope: Scope | None = None,
         payloads: bool = True,
         copy: bool = False,
+        where: Any = None,
+        metadata: bool = False,
         timeout: float | None = None,
     ) -> SearchResult:
         """Exact top-``k`` memories for ``query`` ([dim] or [nq, dim], float32 or float16).
 
         ``scope`` filters: an item matches when each field given equals the item's field.
+        ``where``: a metadata filter (docs/FILTERS.md, e.g. ``{"year": {"gte": 2020}}``):
+        the exact top-k of the items that match it. ``metadata``: return each hit's
+        metadata and string id too (``SearchResult.metadata``, ``.keys``).
         Scores: inner product or cosine similarity (descending), or squared L2 distance
         (ascending), by the sidecar's metric. Raises InvalidRequest for a wrong dimension,
-        NaN or inf, or k outside 1..max_k.
+        NaN or inf, k outside 1..max_k, or a bad filter.
         """
         start = _monotonic_ns()
         single = np.ndim(query) == 1
@@ -417,19 +437,32 @@ class Client:
         codes.check_k(k)
         sb = scope_bytes(scope)
         flags = codes.SEARCH_WANT_PAYLOADS if payloads else 0
+        wire = None if where is None else filters.dumps(where)
+        if wire is not None:
+            flags |= codes.SEARCH_FILTER
+        if metadata:
+            flags |= codes.SEARCH_WANT_META
         try:
             t = self._channel(timeout)
-            n = M.encode_search(t.request_buffer, q, k, sb)
+            if wire is not None or metadata:
+                self._needs(t, 5, "search(where=..., metadata=True)")
+            n = M.encode_search(t.request_buffer, q, k, sb, wire)
             resp = self._call(t, Op.SEARCH, flags, n, timeout, start)
         except _UNAVAILABLE:
             if not self._degrade:
                 raise
-            return self._no_hits(len(q), int(k), single, payloads, start)
+            return self._no_meta_hits(
+                self._no_hits(len(q), int(k), single, payloads, start), metadata
+            )
         r = M.decode_search_response(resp.body, len(resp.body))
         ids, scores = (r.ids[0], r.scores[0]) if single else (r.ids, r.scores)
         if copy:
             ids, scores = ids.copy(), scores.copy()
-        return SearchResult(ids, scores, r.payloads, self._local.timings)
+        if r.entries is None:
+            return SearchResult(ids, scores, r.payloads, self._local.timings)
+        keys = [e[0] for e in r.entries]
+        meta = [e[1] for e in r.entries]
+        return SearchResult(ids, scores, r.payloads, self._local.timings, False, meta, keys)
 
     def _no_hits(self, nq: int, k: int, single: bool, payloads: bool, start: int) -> SearchResult:
         """The degraded answer of :meth:`search`: what an empty store returns, owned."""
@@ -441,6 +474,12 @@ class Client:
         timings = Timings(0.0, 0.0, 0.0, (_monotonic_ns() - start) / 1e3)
         hits: list[Payload] | None = [None] * (nq * k) if payloads else None
         return SearchResult(ids, scores, hits, timings, True)
+
+    def _no_meta_hits(self, result: SearchResult, metadata: bool) -> SearchResult:
+        if not metadata:
+            return result
+        m = int(np.size(result.ids))
+        return result._replace(metadata=[None] * m, keys=[None] * m)
 
     def search_gpu(
         self,
@@ -513,11 +552,12 @@ class Client:
     def add(
         self,
         vectors: np.ndarray,
-        ids: np.ndarray | Sequence[int] | int,
+        ids: np.ndarray | Sequence[int | str] | int | str,
         payloads: Sequence[Payload] | Payload = None,
         *,
         scope: Scope | None = None,
         tokens: Sequence[np.ndarray | Sequence[int] | None] | np.ndarray | None = None,
+        metadata: Sequence[Mapping[str, Any] | None] | Mapping[str, Any] | None = None,
         timeout: float | None = None,
     ) -> int:
         """Adds (upserts) items; returns how many were new (the rest replaced existing ids).
@@ -527,9 +567,13 @@ class Client:
         ``tokens``: n token id lists (int32 range; one list for a single item), an entry None
         or ``tokens`` None: a text payload gets its token ids from the sidecar's
         ``--tokenizer`` when it has one, else the item has none. :meth:`recall` puts a hit's
-        token ids into the model's input. Batches larger than the channel arena are sent in
-        chunks, each acknowledged on its own: if a chunk fails, the chunks before it stay
-        added.
+        token ids into the model's input. ``ids`` may be strings (UUIDs, ...): each maps
+        onto a 63-bit id (:func:`kalos.key_id`), is stored, and comes back in
+        ``SearchResult.keys`` and :meth:`lookup`; two strings with the same 63-bit id are a
+        Conflict. ``metadata``: n dicts (or None) of str keys to str, int, float, bool or
+        lists of those, for ``where`` filters (docs/FILTERS.md). Batches larger than the
+        channel arena are sent in chunks, each acknowledged on its own: if a chunk fails,
+        the chunks before it stay added.
         """
         v = np.asarray(vectors)
         if v.ndim == 1:
@@ -541,12 +585,13 @@ class Client:
         if v.dtype != np.float16 and v.dtype != np.float32:
             v = v.astype(np.float32)
         v = np.ascontiguousarray(v)
-        id_arr = np.atleast_1d(np.asarray(ids, dtype=np.int64))
+        id_arr, keys = item_ids(ids)
         n = len(v)
         if id_arr.shape != (n,):
             raise InvalidRequest(f"{len(id_arr)} ids for {n} vectors")
         kinds, blobs = _encode_payloads(payloads, n)
         token_lists = _token_lists(tokens, n)
+        meta_json = _meta_json(metadata, keys, n)
         if n == 0:
             return 0
         sb = scope_bytes(scope)
@@ -557,13 +602,22 @@ class Client:
             if token_lists is None
             else np.array([0 if x is None else len(x) for x in token_lists], np.int64)
         )
-        fixed, per_item = M.add_item_sizes(
-            self.dim, v.itemsize, np.fromiter(map(len, blobs), np.int64, n), sb, token_lens
+        meta_lens = (
+            None
+            if meta_json is None
+            else np.array([len(m) + len(k) + 2 for m, k in zip(*meta_json, strict=True)])
         )
+        fixed, per_item = M.add_item_sizes(
+            self.dim, v.itemsize, np.fromiter(map(len, blobs), np.int64, n), sb, token_lens,
+            meta_lens,
+        )  # fmt: skip
         flags = 0
         if token_lists is not None:  # a 1.0 sidecar would read the token ids as payload bytes
             self._needs(t, 1, "add(tokens=...)")
             flags = codes.ADD_HAS_TOKENS
+        if meta_json is not None:
+            self._needs(t, 5, "add(metadata=...) or string ids")
+            flags |= codes.ADD_HAS_META
         if int(per_item.max()) + fixed > capacity:
             raise PayloadTooLarge(
                 f"an item of {int(per_item.max())} bytes does not fit the {capacity}-byte arena"
@@ -579,15 +633,32 @@ class Client:
             size = M.encode_add(
                 t.request_buffer, id_arr[i:j], v[i:j], kinds[i:j], blobs[i:j], sb,
                 None if token_lists is None else token_lists[i:j],
+                None if meta_json is None
+                else M.add_meta_json(meta_json[0][i:j], meta_json[1][i:j]),
             )  # fmt: skip
             resp = self._call(t, Op.ADD, flags, size, timeout, start)
             added += M.decode_counts(resp.body, len(resp.body))[0]
             i = j
         return added
 
-    def remove(self, ids: np.ndarray | Sequence[int] | int, *, timeout: float | None = None) -> int:
-        """Removes items by id; returns how many existed. Unknown ids are ignored."""
-        id_arr = np.atleast_1d(np.asarray(ids, dtype=np.int64))
+    def remove(
+        self,
+        ids: np.ndarray | Sequence[int | str] | int | str | None = None,
+        *,
+        where: Any = None,
+        scope: Scope | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        """Removes items by id (ints or string ids); returns how many existed. Unknown ids
+        are ignored. Or, with ``where`` (and optionally ``scope``) instead of ids: every
+        memory that matches the filter (and the scope)."""
+        if where is not None:
+            if ids is not None:
+                raise InvalidRequest("remove takes ids or where=..., not both")
+            return self.forget(scope or Scope(), where=where, timeout=timeout).memories
+        if ids is None:
+            raise InvalidRequest("remove needs ids or where=...")
+        id_arr = item_ids(ids)[0]
         removed = 0
         t = self._channel(timeout)
         step = (len(t.request_buffer) - 8) // 8
@@ -720,6 +791,7 @@ class Client:
         scope: Scope | None = None,
         device: str | None = None,
         copy: bool = False,
+        where: Any = None,
         timeout: float | None = None,
     ) -> Recall:
         """The whole memory step of one LLM request in one round trip: ``session``'s context
@@ -743,7 +815,8 @@ class Client:
         sidecar; ``max_tokens`` at most the buffer's token slots, 131,072), no copy,
         complete when this returns. The arrays are views valid until this thread's next
         call; ``copy=True`` owns them (a clone on the GPU). With ``on_unavailable="degrade"``
-        an unavailable sidecar gives an empty Recall with ``degraded=True``.
+        an unavailable sidecar gives an empty Recall with ``degraded=True``. ``where``: a
+        metadata filter on the memories (docs/FILTERS.md), beside ``scope``.
         """
         start = _monotonic_ns()
         if type(session) is not str or not session:
@@ -758,9 +831,12 @@ class Client:
         sb = scope_bytes(scope)
         on_gpu = _on_gpu(device)
         flags = int(codes.RecallFlag.GPU_RESULT) if on_gpu else 0
+        wire = None if where is None else filters.dumps(where)
+        if wire is not None:
+            flags |= int(codes.RecallFlag.FILTER)
         try:
             t = self._channel(timeout)
-            self._needs(t, 1, "recall")
+            self._needs(t, 1 if wire is None else 5, "recall" if wire is None else "recall(where=)")
             gpu = self._local.lent.gpu if on_gpu else None
             if on_gpu:
                 if gpu is None:
@@ -778,7 +854,7 @@ class Client:
             n = M.encode_recall(
                 t.request_buffer, session.encode(), q, int(k), max_tokens,
                 _NO_LIMIT if max_turns is None else max_turns,
-                _NO_LIMIT if memory_tokens is None else memory_tokens, sb,
+                _NO_LIMIT if memory_tokens is None else memory_tokens, sb, wire,
             )  # fmt: skip
             resp = self._call(t, Op.RECALL, flags, n, timeout, start)
         except _UNAVAILABLE:
@@ -1020,18 +1096,53 @@ class Client:
 
     # -- scopes ------------------------------------------------------------------------------
 
-    def forget(self, scope: Scope, *, timeout: float | None = None) -> Forgotten:
+    def forget(self, scope: Scope, *, where: Any = None, timeout: float | None = None) -> Forgotten:
         """Deletes everything of ``scope`` (each field given must match; at least one):
         memories (from the index too), sessions, state values and event logs. Returns the
-        counts."""
-        if not isinstance(scope, Scope) or not any(scope):
+        counts. With ``where`` (a metadata filter): only the memories of ``scope`` (which
+        may then be empty: all of them) that match it; sessions and state stay."""
+        if not isinstance(scope, Scope) or (where is None and not any(scope)):
             raise InvalidRequest("forget needs a scope with a tenant, a user or a session")
         start = _monotonic_ns()
         sb = scope_bytes(scope)
         t = self._channel(timeout)
-        n = M.encode_scoped(t.request_buffer, 0, 0, sb)
-        resp = self._call(t, Op.FORGET, 0, n, timeout, start)
+        flags = 0
+        tail = b""
+        if where is not None:
+            self._needs(t, 5, "forget(where=...)")
+            flags = codes.FORGET_FILTER
+            tail = M.encode_filter_tail(filters.dumps(where))
+        n = M.encode_scoped(t.request_buffer, 0, 0, sb, tail)
+        resp = self._call(t, Op.FORGET, flags, n, timeout, start)
         return Forgotten(*M.decode_forgotten(resp.body, len(resp.body)))
+
+    def lookup(
+        self,
+        ids: np.ndarray | Sequence[int | str] | int | str,
+        *,
+        scope: Scope | None = None,
+        timeout: float | None = None,
+    ) -> list[Memory]:
+        """The stored memories among ``ids`` (ints or string ids), in the order asked, each
+        once; unknown ids, and with ``scope`` those outside it, are left out. Owned."""
+        id_arr = item_ids(ids)[0]
+        out: list[Memory] = []
+        sb = scope_bytes(scope)
+        t = self._channel(timeout)
+        self._needs(t, 5, "lookup")
+        step = max((len(t.request_buffer) - 8 - sb.nbytes) // 8, 1)
+        for i in range(0, len(id_arr), step):
+            start = _monotonic_ns()
+            t = self._channel(timeout)
+            size = M.encode_lookup(t.request_buffer, id_arr[i : i + step], sb)
+            resp = self._call(t, Op.LOOKUP, 0, size, timeout, start)
+            r = M.decode_search_response(resp.body, len(resp.body))
+            entries = r.entries or []
+            payloads = r.payloads or [None] * len(entries)
+            for item, (key, meta), payload in zip(r.ids[0].tolist(), entries, payloads,
+                                                  strict=True):  # fmt: skip
+                out.append(Memory(item, key, payload, meta))
+        return out
 
     def close(self) -> None:
         """Closes every thread's channel. Idempotent; later calls raise ClosedError."""
@@ -1148,6 +1259,46 @@ def _value_bytes(value: bytes | str) -> bytes:
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value)
     raise InvalidRequest(f"a state value must be bytes or str, not {type(value).__name__}")
+
+
+def item_ids(
+    ids: np.ndarray | Sequence[int | str] | int | str,
+) -> tuple[np.ndarray, list[str | None] | None]:
+    """ids [n] int64 and, when any is a str, each one's string id (None for an int): a
+    string id maps onto :func:`kalos.key_id`."""
+    if isinstance(ids, str):
+        ids = [ids]
+    if isinstance(ids, (np.ndarray, int, np.integer)):
+        return np.atleast_1d(np.asarray(ids, dtype=np.int64)), None
+    items = list(ids)
+    if not any(isinstance(i, str) for i in items):
+        return np.atleast_1d(np.asarray(items, dtype=np.int64)), None
+    keys: list[str | None] = [i if isinstance(i, str) else None for i in items]
+    arr = np.array([key_id(i) if isinstance(i, str) else int(i) for i in items], np.int64)
+    return arr, keys
+
+
+def _meta_json(
+    metadata: Sequence[Mapping[str, Any] | None] | Mapping[str, Any] | None,
+    keys: list[str | None] | None,
+    n: int,
+) -> tuple[list[bytes], list[bytes]] | None:
+    """Each item's metadata and string id as JSON, or None when there is neither."""
+    if metadata is None and keys is None:
+        return None
+    if isinstance(metadata, Mapping):
+        metadata = [metadata]
+    if metadata is not None and len(metadata) != n:
+        raise InvalidRequest(f"{len(metadata)} metadata for {n} items")
+    meta_out: list[bytes] = []
+    for i in range(n):
+        m = None if metadata is None else check_metadata(metadata[i], i)
+        try:
+            meta_out.append(b"null" if m is None else json.dumps(m, allow_nan=False).encode())
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest(f"metadata {i} cannot be stored: {exc}") from None
+    key_out = [b"null"] * n if keys is None else [json.dumps(k).encode() for k in keys]
+    return meta_out, key_out
 
 
 def _encode_payloads(

@@ -275,13 +275,14 @@ def check_index(
 ) -> None:
     """Holds the backend named by ``spec`` to the Index contract, once per metric.
 
-    What it checks, on ``n`` random items of ``dim`` dimensions with random 64-bit ids and
-    scopes: the protocol's attributes; an empty index answers only -1; top-k against a float64
-    reference (within ``rtol``: a backend that scores in fp16 passes a looser one), for one
-    query and a batch, k beyond the item count padded with -1; scope filters; upsert (an id
-    added again is replaced, the last of a batch wins); remove (the count, and a removed id is
-    never returned nor reconstructed); reconstruct and dump; reset; and that bad input (a
-    wrong dimension, NaN, k < 1) raises InvalidRequest and changes nothing.
+        What it checks, on ``n`` random items of ``dim`` dimensions with random 64-bit ids and
+        scopes: the protocol's attributes; an empty index answers only -1; top-k against a float64
+        reference (within ``rtol``: a backend that scores in fp16 passes a looser one), for one
+        query and a batch, k beyond the item count padded with -1; scope filters; ``allow`` (the
+    ids a search may return), alone and with a scope; upsert (an id
+        added again is replaced, the last of a batch wins); remove (the count, and a removed id is
+        never returned nor reconstructed); reconstruct and dump; reset; and that bad input (a
+        wrong dimension, NaN, k < 1) raises InvalidRequest and changes nothing.
     """
     from kalos.index import Index, create
 
@@ -311,6 +312,15 @@ def check_index(
         for scope in ((1, 0, 0), (2, 1, 0), (1, 2, 1), (7, 0, 0)):
             result = index.search(q, 10, scope=scope)
             check_search(result, items, q, 10, metric, scope=scope, rtol=rtol)
+        # allow: only these ids (a metadata filter's matches), a few or most, and an unknown id
+        for share in (0.02, 0.6):
+            allowed = ids[rng.random(n) < share]
+            allow = np.concatenate([allowed, [1 << 62]])
+            only = {i: items[i] for i in allowed.tolist()}
+            for within in (None, (1, 0, 0)):
+                result = index.search(q, 10, scope=within, allow=allow)
+                check_search(result, only, q, 10, metric, scope=within, rtol=rtol)
+        check_search(index.search(q, 10, allow=np.empty(0, np.int64)), {}, q, 10, metric)
 
         # upsert: the id of item 0 gets item 1's vector; in one batch, the last one wins
         index.add(np.stack([vectors[2], vectors[1]]), np.array([ids[0], ids[0]]), scopes[:2])
@@ -329,6 +339,10 @@ def check_index(
             del items[i]
         assert len(index) == n - len(gone)
         check_search(index.search(q, n), items, q, n, metric, rtol=rtol)
+        # allow after rows moved: half the live ids, and the removed ones (never returned)
+        half = np.array(sorted(items), dtype=np.int64)[::2]
+        result = index.search(q, 10, allow=np.concatenate([half, gone]))
+        check_search(result, {i: items[i] for i in half.tolist()}, q, 10, metric, rtol=rtol)
         try:
             index.reconstruct(gone[:1])
         except NotFound:

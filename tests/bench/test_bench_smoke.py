@@ -160,3 +160,14 @@ def test_recall_kalos_side_without_redis(sidecar):
                           warmup=0)["kalos-shm"]  # fmt: skip
     assert res.mismatches == len(order)
     client.close()
+
+
+def test_search_filtered_bench(tmp_path):
+    rc, result = _bench(
+        tmp_path, "search-filtered", "--n", "3000", "--dim", "64", "--queries", "60",
+        "--shares", "1", "0.1", "0.01",
+    )  # fmt: skip
+    assert rc == 0 and result["checks"]["wrong_results"] == 0
+    rows = {r["share"]: r for r in result["rows"]}
+    assert rows[1.0]["matched"] == 3000 and rows[0.01]["matched"] == 30
+    assert rows[1.0]["over_unfiltered_p50"] == 1.0

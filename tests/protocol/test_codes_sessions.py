@@ -41,6 +41,7 @@ def test_op_codes_after_the_core_ones() -> None:
         "EVENTS": 16,
         "FORGET": 17,
         "RECALL": 18,
+        "LOOKUP": 19,
     }
 
 
@@ -61,7 +62,7 @@ def test_write_ops_are_exactly_the_mutating_ones() -> None:
     }  # fmt: skip
     reads = {
         Op.PING, Op.STATS, Op.SEARCH, Op.CONTEXT, Op.SESSIONS, Op.STATE_GET, Op.EVENTS,
-        Op.RECALL,
+        Op.RECALL, Op.LOOKUP,
     }  # fmt: skip
     assert reads | WRITE_OPS == set(Op)
 

@@ -293,7 +293,7 @@ def test_shared_words_are_8_byte_aligned() -> None:
 
 
 def test_protocol_version_and_limits() -> None:
-    assert codes.PROTOCOL_VERSION == (1, 4)
+    assert codes.PROTOCOL_VERSION == (1, 5)
     assert codes.MAX_K == 1024
     assert {f.name: int(f) for f in codes.ResponseFlag} == {
         "DEVICE_PUBLISHED": 1,
@@ -306,7 +306,7 @@ def test_op_codes() -> None:
         "PING": 1, "STATS": 2, "ADD": 3, "REMOVE": 4, "SEARCH": 5,
         "APPEND_TURN": 6, "CONTEXT": 7, "SESSIONS": 8, "TRIM": 9, "DELETE_SESSION": 10,
         "STATE_PUT": 11, "STATE_GET": 12, "STATE_DELETE": 13, "STATE_CAS": 14,
-        "LOG_EVENT": 15, "EVENTS": 16, "FORGET": 17, "RECALL": 18,
+        "LOG_EVENT": 15, "EVENTS": 16, "FORGET": 17, "RECALL": 18, "LOOKUP": 19,
     }  # fmt: skip
 
 
@@ -325,7 +325,7 @@ def test_context_forms() -> None:
 
 
 def test_recall_flags() -> None:
-    assert {f.name: int(f) for f in codes.RecallFlag} == {"GPU_RESULT": 1}
+    assert {f.name: int(f) for f in codes.RecallFlag} == {"GPU_RESULT": 1, "FILTER": 2}
     assert {f.name: int(f) for f in codes.RecallResponseFlag} == {
         "SYSTEM": 1, "TOKENS_ON_GPU": 2,
     }  # fmt: skip
@@ -361,6 +361,11 @@ def test_metric_payload_dtype_and_flag_codes() -> None:
     assert codes.SEARCH_GPU_RESULT == 2
     assert codes.SEARCH_GPU_QUERY == 4
     assert codes.ADD_HAS_TOKENS == 1
+    assert codes.SEARCH_FILTER == 8
+    assert codes.SEARCH_WANT_META == 16
+    assert codes.ADD_HAS_META == 2
+    assert codes.FORGET_FILTER == 1
+    assert int(codes.RecallFlag.FILTER) == 2
 
 
 def test_every_code_constant_is_pinned() -> None:
@@ -377,4 +382,8 @@ def test_every_code_constant_is_pinned() -> None:
         "SEARCH_GPU_RESULT",
         "SEARCH_GPU_QUERY",
         "ADD_HAS_TOKENS",
+        "SEARCH_FILTER",
+        "SEARCH_WANT_META",
+        "ADD_HAS_META",
+        "FORGET_FILTER",
     }

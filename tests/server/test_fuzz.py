@@ -13,6 +13,7 @@ an exception out of the dispatcher, a missing answer or a dead sidecar fails the
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 
@@ -40,6 +41,7 @@ HANG_S = 10.0  # one input taking longer than this is a hang
 STATUSES = {int(s) for s in Status}
 EDGE_U32 = [0, 1, 2, 7, 8, 255, 1024, 1025, 65535, 65536, 2**31 - 1, 2**31, 2**32 - 1]
 OVERSIZED = [ARENA + 1, 2**32, 2**63, 2**64 - 1]  # body_len beyond the arena
+OTHER_IDS = 0x5EED_5EED_0000  # the second client's items (see the sidecar test)
 SCOPES = [Scope(), Scope("t"), Scope("t", "u"), Scope("t", "u", "s"), Scope(session="s")]
 
 
@@ -94,8 +96,57 @@ def valid_bodies(rng: np.random.Generator) -> list[tuple[int, int, bytes]]:
         for flags in (0, codes.RecallFlag.GPU_RESULT):
             n = M.encode_recall(buf, b"s", q, int(rng.integers(1, 20)), 100, M.NO_LIMIT, 50, sb)
             put(Op.RECALL, int(flags), n)
+        # metadata, string ids and filters (1.5)
+        metas = [json.dumps(random_meta(rng)).encode() for _ in ids]
+        keys = [b"null"] * len(ids)
+        keys[0] = json.dumps("k0").encode()
+        key_ids = ids.copy()
+        key_ids[0] = kalos.key_id("k0")
+        meta = M.add_meta_json(metas, keys)
+        put(Op.ADD, codes.ADD_HAS_META, M.encode_add(buf, key_ids, v, kinds, blobs, sb, None, meta))
+        put(Op.LOOKUP, 0, M.encode_lookup(buf, key_ids, sb))
+        for _ in range(3):
+            where = json.dumps(random_filter(rng, 3)).encode()
+            q1 = rng.standard_normal((1, DIM)).astype(np.float32)
+            for flags in (codes.SEARCH_FILTER, codes.SEARCH_FILTER | codes.SEARCH_WANT_META):
+                put(Op.SEARCH, flags, M.encode_search(buf, q1, 5, sb, where))
+            if sum(map(bool, scope)) >= 2:  # never near the other tenant's, even mutated
+                n = M.encode_scoped(buf, 0, 0, sb, M.encode_filter_tail(where))
+                put(Op.FORGET, codes.FORGET_FILTER, n)
     assert {op for op, _, _ in out} == {int(op) for op in Op}
     return out
+
+
+KEYS = ["a", "b", "c", "tags"]
+VALUES: list[object] = ["x", "y", "", 0, 1, -2.5, 1e300, True, False, None]
+
+
+def random_meta(rng: np.random.Generator) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key in KEYS:
+        if rng.random() < 0.6:
+            if rng.random() < 0.3:
+                out[key] = [VALUES[int(i)] for i in rng.integers(0, len(VALUES), 3)]
+            else:
+                out[key] = VALUES[int(rng.integers(len(VALUES)))]
+    return out
+
+
+def random_filter(rng: np.random.Generator, depth: int) -> dict[str, object]:
+    """A filter of kalos.filters' syntax, valid or not (unknown operators, wrong operands)."""
+    roll = rng.random()
+    if depth and roll < 0.3:
+        logic = ["$and", "$or", "AND", "OR"][int(rng.integers(4))]
+        return {logic: [random_filter(rng, depth - 1) for _ in range(int(rng.integers(1, 3)))]}
+    if depth and roll < 0.4:
+        return {"$not": random_filter(rng, depth - 1)}
+    op = ["eq", "ne", "gt", "gte", "lt", "lte", "in", "nin", "contains", "$eq", "bad"][
+        int(rng.integers(11))
+    ]
+    value: object = VALUES[int(rng.integers(len(VALUES)))]
+    if op in ("in", "nin"):
+        value = [value, VALUES[int(rng.integers(len(VALUES)))]]
+    return {KEYS[int(rng.integers(len(KEYS)))]: {op: value}}
 
 
 def inputs(seed: int, count: int) -> Iterator[tuple[int, int, bytes, int]]:
@@ -193,7 +244,8 @@ def test_fuzz_a_sidecar_through_its_channel(
     sc = sidecar(dim=DIM)
     fuzzed = sc.connect(arena_bytes=ARENA, timeout=HANG_S)
     other = sc.connect(timeout=HANG_S)
-    other.add(np.eye(DIM, dtype=np.float32), np.arange(DIM) + 100, scope=Scope("other"))
+    # ids no single mutated byte of the corpus' small ids (0..49) can turn into
+    other.add(np.eye(DIM, dtype=np.float32), np.arange(DIM) + OTHER_IDS, scope=Scope("other"))
     t = fuzzed._channel()
     seq_words = t._req_seq, t._server_parked, t._server_bell  # type: ignore[attr-defined]
     statuses: dict[int, int] = {}
@@ -222,7 +274,7 @@ def test_fuzz_a_sidecar_through_its_channel(
         done += 1
         if i % CHECK_EVERY == 0:
             r = other.search(np.eye(DIM, dtype=np.float32)[3], k=1, scope=Scope("other"))
-            assert r.ids.tolist() == [103], f"after input {i}: {r.ids}"
+            assert r.ids.tolist() == [OTHER_IDS + 3], f"after input {i}: {r.ids}"
             checks += 1
     elapsed = time.monotonic() - started
     assert sc.process.poll() is None, "the sidecar died"

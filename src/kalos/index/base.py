@@ -14,6 +14,9 @@ Conventions every backend keeps (the conformance tests in ``tests/index`` pin th
   ``"cosine"`` stores the unit-normalised vector, so ``reconstruct`` returns that.
 * A :data:`ScopeFilter` is ``(tenant, user, session)``; 0 is a wildcard. Items that do not
   match are never returned.
+* ``allow``: ids [m] int64 that a search may return (a metadata filter's matches, see
+  :mod:`kalos.filters`); None: every id. The result is the exact top-k of the items that
+  match both the scope and ``allow``; ids in ``allow`` that are not stored are ignored.
 * Bad input raises :class:`kalos.errors.InvalidRequest`; an unknown id in ``reconstruct``
   raises :class:`kalos.errors.NotFound`.
 """
@@ -68,10 +71,16 @@ class Index(Protocol):
         ...
 
     def search(
-        self, queries: object, k: int, *, scope: ScopeFilter | None = None
+        self,
+        queries: object,
+        k: int,
+        *,
+        scope: ScopeFilter | None = None,
+        allow: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Top-k of queries [nq, dim] or [dim] → (scores [nq, k] float32, ids [nq, k] int64).
 
+        ``allow``: ids [m] int64, the only ones that may be returned (None: any).
         The returned arrays are new and owned by the caller.
         """
         ...
@@ -290,6 +299,23 @@ def scope_mask(columns: np.ndarray, scope: ScopeFilter) -> np.ndarray:
     return mask
 
 
+ALLOW_LOOKUP_BELOW = 1 / 16
+"""``allow`` lists smaller than this share of the rows are looked up id by id (a dict);
+larger ones by a binary search in the table's sorted ids (:meth:`RowTable.rows_of_many`)."""
+
+
+def allow_mask(table: RowTable, allow: np.ndarray) -> np.ndarray:
+    """[n] bool: the table's rows whose id is in ``allow`` [m] int64."""
+    n = len(table)
+    mask = np.zeros(n, bool)
+    if allow.shape[0] < ALLOW_LOOKUP_BELOW * n:
+        rows = table.rows_of(allow)
+        mask[rows[rows >= 0]] = True
+    else:
+        mask[table.rows_of_many(allow)] = True
+    return mask
+
+
 # --- the half of a row-table backend that is not scoring ---------------------------------------
 
 
@@ -355,7 +381,12 @@ class RowIndex(abc.ABC):
         return self._table.dump()
 
     def search(
-        self, queries: object, k: int, *, scope: ScopeFilter | None = None
+        self,
+        queries: object,
+        k: int,
+        *,
+        scope: ScopeFilter | None = None,
+        allow: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         q = check_queries(queries, self.dim)  # [nq, dim] float32
         k = check_k(k)
@@ -367,6 +398,10 @@ class RowIndex(abc.ABC):
         matched = n
         if n and filt is not None:
             mask = scope_mask(self._table.scope_columns, filt)
+            matched = int(np.count_nonzero(mask))
+        if n and allow is not None:
+            allowed = allow_mask(self._table, check_ids(allow))
+            mask = allowed if mask is None else np.logical_and(mask, allowed, out=mask)
             matched = int(np.count_nonzero(mask))
         if matched == 0:
             return self._no_results(q.shape[0], k)
@@ -397,6 +432,7 @@ __all__ = [
     "RowIndex",
     "RowTable",
     "ScopeFilter",
+    "allow_mask",
     "check_batch",
     "check_config",
     "check_ids",

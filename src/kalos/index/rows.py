@@ -39,6 +39,8 @@ class RowTable:
         self._ids = np.empty(0, dtype=np.int64)  # [capacity]
         self._scopes = np.empty((3, 0), dtype=np.int64)  # [3, capacity]: one row per field
         self._vectors = np.empty((0, dim), dtype=np.float32)  # [capacity, dim]
+        # (live ids sorted, the row of each): built by rows_of_many, dropped when rows move
+        self._sorted: tuple[np.ndarray, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return self._n
@@ -75,6 +77,19 @@ class RowTable:
         get = self._row_of.get
         return np.fromiter((get(i, -1) for i in ids.tolist()), dtype=np.int64, count=len(ids))
 
+    def rows_of_many(self, ids: np.ndarray) -> np.ndarray:
+        """rows [m] int64 of the ones of ids [m] that are present (the others left out), with
+        no Python per id: a binary search in the live ids sorted once (n log n, redone only
+        after a write that added or moved rows)."""
+        if self._sorted is None:
+            order = np.argsort(self.ids, kind="stable")
+            self._sorted = self.ids[order], order.astype(np.int64)
+        keys, rows = self._sorted
+        if keys.shape[0] == 0:
+            return np.empty(0, np.int64)
+        pos = np.minimum(np.searchsorted(keys, ids), keys.shape[0] - 1)
+        return rows[pos[keys[pos] == ids]]
+
     def reconstruct(self, ids: np.ndarray) -> np.ndarray:
         """Stored vectors of ids [m] as [m, dim] float32, a copy; NotFound for unknown ids."""
         rows = self.rows_of(ids)
@@ -102,6 +117,7 @@ class RowTable:
         new = rows < 0
         n_new = int(new.sum())
         if n_new:
+            self._sorted = None
             first = self._n
             self._reserve(first + n_new)
             rows[new] = np.arange(first, first + n_new, dtype=np.int64)
@@ -128,6 +144,7 @@ class RowTable:
         if gone.shape[0] == 0:
             empty = np.empty(0, dtype=np.int64)
             return 0, empty, empty
+        self._sorted = None
         old_n = self._n
         new_n = old_n - gone.shape[0]
         holes = gone[gone < new_n]
@@ -145,6 +162,7 @@ class RowTable:
     def reset(self) -> None:
         """Remove every item and free the storage."""
         self._row_of = {}
+        self._sorted = None
         self._n = 0
         self._ids = np.empty(0, dtype=np.int64)
         self._scopes = np.empty((3, 0), dtype=np.int64)

@@ -14,8 +14,10 @@ from kalos import errors
 # (major, minor). A client and a sidecar talk when their majors are equal; the minor is
 # negotiated down to the smaller of the two. docs/PROTOCOL.md says what a minor may change.
 # 1.1: RECALL, ADD with token ids; 1.2: the token heap; 1.3: response flag DEVICE_PUBLISHED;
-# 1.4: the session index (clients compute CONTEXT windows from shared memory)
-PROTOCOL_VERSION = (1, 4)
+# 1.4: the session index (clients compute CONTEXT windows from shared memory); 1.5: metadata,
+# string ids and filters (ADD_HAS_META, SEARCH_FILTER, SEARCH_WANT_META, FORGET_FILTER,
+# RECALL_FILTER, LOOKUP)
+PROTOCOL_VERSION = (1, 5)
 
 MAX_K = 1024  # largest k a search may ask for
 
@@ -51,6 +53,7 @@ class Op(enum.IntEnum):
     EVENTS = 16
     FORGET = 17
     RECALL = 18  # one LLM request's memory step: context + top-k memories as token ids
+    LOOKUP = 19  # memories by id: payload, string id and metadata (1.5)
 
 
 class Status(enum.IntEnum):
@@ -80,9 +83,13 @@ DTYPE_F16 = 1
 SEARCH_WANT_PAYLOADS = 1
 SEARCH_GPU_RESULT = 2  # results into the channel's GPU buffer (CUDA IPC), not the arena
 SEARCH_GPU_QUERY = 4  # the queries are in the channel's GPU buffer; the body carries none
+SEARCH_FILTER = 8  # (1.5) a metadata filter's JSON section follows the scope block
+SEARCH_WANT_META = 16  # (1.5) the response carries each hit's string id and metadata
 
 
 ADD_HAS_TOKENS = 1  # ADD flag: the body carries token ids for some of its payloads
+ADD_HAS_META = 2  # (1.5) ADD flag: a JSON section of metadata and string ids precedes the blob
+FORGET_FILTER = 1  # (1.5) FORGET flag: a filter's JSON section follows the scope block
 
 
 class AppendFlag(enum.IntFlag):
@@ -124,6 +131,7 @@ class RecallFlag(enum.IntFlag):
     """RECALL request flags."""
 
     GPU_RESULT = 1  # the token ids go into the channel's GPU buffer, not the response arena
+    FILTER = 2  # (1.5) a filter's JSON section follows the session id, before the query
 
 
 class RecallResponseFlag(enum.IntFlag):

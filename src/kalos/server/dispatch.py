@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from kalos import __version__
+from kalos import __version__, filters
 from kalos.errors import (
     Conflict,
     InvalidRequest,
@@ -76,6 +76,8 @@ _TURNS = int(codes.ContextFlag.TURNS)
 _RECALL_GPU = int(codes.RecallFlag.GPU_RESULT)
 _RECALL_SYSTEM = int(codes.RecallResponseFlag.SYSTEM)
 _RECALL_ON_GPU = int(codes.RecallResponseFlag.TOKENS_ON_GPU)
+# A SEARCH with a metadata filter, or returning metadata, takes _search_filtered (1.5).
+_SEARCH_FILTERED = codes.SEARCH_FILTER | codes.SEARCH_WANT_META
 # The CONTEXT path's codecs, bound once (a module attribute lookup costs ~0.02 µs).
 _decode_context = M.decode_context
 _encode_context_tokens_response = M.encode_context_tokens_response
@@ -134,6 +136,7 @@ class Dispatcher:
             Op.EVENTS: self._events,
             Op.FORGET: self._forget,
             Op.RECALL: self._recall,
+            Op.LOOKUP: self._lookup,
         }
 
     def info(self) -> dict[str, Any]:
@@ -225,8 +228,9 @@ class Dispatcher:
     def _add(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
         req = M.decode_add(body, len(body), flags)
         added, replaced = self.memories.add(
-            req.ids, req.vectors, req.kinds, req.offsets, req.blob, req.scope, req.tokens
-        )
+            req.ids, req.vectors, req.kinds, req.offsets, req.blob, req.scope, req.tokens,
+            req.meta, req.keys,
+        )  # fmt: skip
         return M.encode_counts(out, added, replaced), 0
 
     def _remove(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
@@ -237,7 +241,9 @@ class Dispatcher:
     def _search(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
         if flags & (codes.SEARCH_GPU_RESULT | codes.SEARCH_GPU_QUERY):
             return self._search_to_device(flags, body, out)
-        req = M.decode_search(body, len(body))
+        req = M.decode_search(body, len(body), flags=flags)
+        if flags & _SEARCH_FILTERED:
+            return self._search_filtered(flags, req, out)
         if not flags & codes.SEARCH_WANT_PAYLOADS:  # the results go straight into the response
             codes.check_k(req.k)  # a bad k is INVALID_REQUEST, before its response's size is judged
             n, scores, ids = M.search_response_views(out, len(req.queries), req.k)
@@ -250,9 +256,32 @@ class Dispatcher:
         n = M.encode_search_response(out, scores, ids, self.memories.payloads(ids))
         return n, t
 
+    def _search_filtered(
+        self, flags: int, req: M.SearchRequest, out: np.ndarray
+    ) -> tuple[int, int]:
+        """A search with a metadata filter, or one that returns metadata (1.5)."""
+        where = None if req.where is None else filters.parse(req.where)
+        scores, ids = self.memories.search(req.queries, req.k, req.scope, where=where)
+        t = _monotonic_ns()
+        payloads = self.memories.payloads(ids) if flags & codes.SEARCH_WANT_PAYLOADS else None
+        entries = self.memories.entries(ids) if flags & codes.SEARCH_WANT_META else None
+        return M.encode_search_response(out, scores, ids, payloads, entries), t
+
+    def _lookup(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
+        """Memories by id: a one-row SEARCH response of the ids found (scores 0)."""
+        ids = self.memories.present(*M.decode_lookup(body, len(body)))[None, :]
+        t = _monotonic_ns()
+        scores = np.zeros(ids.shape, np.float32)
+        n = M.encode_search_response(
+            out, scores, ids, self.memories.payloads(ids), self.memories.entries(ids)
+        )
+        return n, t
+
     def _search_to_device(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
         """GPU-result mode: the results go to the channel's GPU buffer; the response body is
         the SEARCH response header alone (nq, k, no payloads)."""
+        if flags & _SEARCH_FILTERED:
+            raise InvalidRequest("a GPU-result search takes no metadata filter")
         if self.gpu_buffer is None:
             raise InvalidRequest(
                 "this channel has no GPU result buffer: connect with gpu_results=True to a "
@@ -322,7 +351,7 @@ class Dispatcher:
         """The session's context and the top-k memories as one token sequence
         (kalos.stores.recall); with RecallFlag.GPU_RESULT the token ids go into the channel's
         GPU result buffer and the response carries the rest."""
-        req = M.decode_recall(body, len(body))
+        req = M.decode_recall(body, len(body), flags)
         to_gpu = bool(flags & _RECALL_GPU)
         buffer = self.gpu_buffer
         if to_gpu:
@@ -429,7 +458,10 @@ class Dispatcher:
         return n, t
 
     def _forget(self, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
-        _, _, scope, _ = M.decode_scoped(body, len(body))
+        _, _, scope, off = M.decode_scoped(body, len(body))
+        if flags & codes.FORGET_FILTER:  # memories only: sessions and state have no metadata
+            where = filters.parse(M.decode_filter_at(body, off, len(body)))
+            return M.encode_forgotten(out, (self.memories.forget(scope, where), 0, 0, 0)), 0
         if not any(scope):
             raise InvalidRequest("forget needs a scope: a tenant, a user or a session")
         memories = self.memories.forget(scope)

@@ -12,6 +12,7 @@ memory without them (bytes or no payload, no tokenizer) still has its payload.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sqlite3
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from kalos.errors import InvalidRequest
+from kalos.filters import Node
 from kalos.index import Index
 from kalos.index.base import scope_mask
 from kalos.index.rows import RowTable
@@ -27,6 +29,7 @@ from kalos.protocol import codes
 from kalos.protocol import layout as L
 from kalos.protocol.codes import check_k
 from kalos.stores.limits import Limits, check_size
+from kalos.stores.metadata import MetadataTable
 from kalos.types import Scope
 
 if TYPE_CHECKING:
@@ -118,6 +121,8 @@ class MemoryStore:
         # The scope codes of every item again, apart from the index (whose backends differ):
         # forget(scope) finds the ids of a user or session here, with one vectorised mask.
         self._scoped = RowTable()
+        # Metadata and string ids, and their filter columns (kalos.stores.metadata).
+        self.metadata = MetadataTable()
 
     def __len__(self) -> int:
         return len(self.index)
@@ -146,22 +151,38 @@ class MemoryStore:
         blob: np.ndarray,
         scope: Scope,
         tokens: list[np.ndarray | None] | None = None,
+        meta: list[dict[str, Any] | None] | None = None,
+        keys: list[str | None] | None = None,
     ) -> tuple[int, int]:
         """Upserts items; returns (new items, replaced items). Payloads are copied out.
 
         ``tokens``: per item its token ids (int32 [m]), or None: a text payload is tokenized
         by the store's tokenizer when it has one, else the item has no token ids. An item
-        replaced by an upsert loses its old token ids.
+        replaced by an upsert loses its old token ids. ``meta``: per item its metadata dict
+        (or None); ``keys``: per item its string id (or None); an upsert replaces both.
+        Conflict when a string id's 63-bit id belongs to another string id.
         """
         self.check_vectors(vectors, "a vector")
         if bool((ids == -1).any()):
             raise InvalidRequest("id -1 is reserved for 'no result'")
         n = len(ids)
+        id_list = ids.tolist()
+        self.metadata.check_keys(id_list, keys)
         token_bytes = self._token_bytes_of(kinds, offsets, blob, tokens, n)
         scopes = np.broadcast_to(self.scopes.intern(scope), (n, 3))
         unique = np.unique(ids)
         if self._quota:
             token_lens = np.array([0 if b is None else len(b) for b in token_bytes], np.int64)
+            if meta is not None or keys is not None:  # metadata counts as its JSON
+                token_lens += np.array(
+                    [
+                        meta_size(
+                            None if meta is None else meta[i], None if keys is None else keys[i]
+                        )
+                        for i in range(n)
+                    ],
+                    np.int64,
+                )
             self._check_tenant(
                 scope, int(scopes[0, 0]) if n else 0, ids, unique, offsets, token_lens
             )
@@ -190,6 +211,7 @@ class MemoryStore:
             if ids_i is not None:
                 token_map[item] = ids_i
                 self._token_bytes += len(ids_i)
+        self.metadata.upsert(id_list, meta, keys)
         if self._quota:
             self._tally(unique, 1)
         return added, n - added
@@ -230,8 +252,8 @@ class MemoryStore:
         return [get(item, b"") for item in ids.reshape(-1).tolist()]
 
     def _usage(self, ids: np.ndarray) -> tuple[list[int], list[int]]:
-        """Tenant code and bytes (vector + payload + token ids) of each of ``ids`` that is
-        present."""
+        """Tenant code and bytes (vector + payload + token ids + metadata and string id as
+        JSON) of each of ``ids`` that is present."""
         rows = self._scoped.rows_of(ids)
         present = rows >= 0
         tenants = self._scoped.scope_columns[0, rows[present]].tolist()
@@ -239,10 +261,12 @@ class MemoryStore:
         get = self._payloads.get
         none = (codes.PAYLOAD_NONE, b"")
         tokens = self._tokens.get
+        metas, names = self.metadata.meta.get, self.metadata.keys.get
         sizes = [
             vector + len(get(item, none)[1]) + len(tokens(item, b""))
+            + meta_size(metas(item), names(item))
             for item in ids[present].tolist()
-        ]
+        ]  # fmt: skip
         return tenants, sizes
 
     def _tally(self, ids: np.ndarray, sign: int) -> None:
@@ -286,7 +310,9 @@ class MemoryStore:
             self._tally(np.unique(ids), -1)
         removed = self.index.remove(ids)
         self._scoped.remove(ids)
-        for item in ids.tolist():
+        id_list = ids.tolist()
+        self.metadata.remove(id_list)
+        for item in id_list:
             old = self._payloads.pop(item, None)
             if old is not None:
                 self._payload_bytes -= len(old[1])
@@ -302,6 +328,7 @@ class MemoryStore:
         scope: Scope | None,
         out: tuple[np.ndarray, np.ndarray] | None = None,
         pinned: Any = None,
+        where: Node | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Exact top-k: (scores [nq, k] f32, ids [nq, k] i64; -1 where fewer matched).
 
@@ -309,12 +336,16 @@ class MemoryStore:
         there and ``out`` is returned; on a GPU index whose ``pinned`` arena holds ``out``, by
         the search kernel itself (:class:`~kalos.server.gpu_search.PinnedArena`). Without,
         on a GPU index the arrays are views into pinned staging memory, valid until the next
-        search."""
+        search. ``where``: a metadata filter (kalos.filters); the top-k of its matches only.
+        """
         self.check_vectors(queries, "the query")
         check_k(k)
-        if self.gpu is not None:
+        allow = None
+        if where is not None:
+            allow = self.metadata.matching(where)
+        elif self.gpu is not None:
             return self.gpu.search(queries, k, self.scopes.filter(scope), out, pinned)
-        scores, ids = self.index.search(queries, k, scope=self.scopes.filter(scope))
+        scores, ids = self.index.search(queries, k, scope=self.scopes.filter(scope), allow=allow)
         if out is None:
             return scores, ids
         out[0][...] = scores
@@ -357,9 +388,33 @@ class MemoryStore:
             return np.empty(0, np.int64)
         return table.ids[scope_mask(table.scope_columns, codes)]
 
-    def forget(self, scope: Scope) -> int:
-        """Removes every item matching ``scope`` (vectors, payloads); returns how many."""
-        return self.remove(self.ids_in_scope(scope))
+    def forget(self, scope: Scope, where: Node | None = None) -> int:
+        """Removes every item matching ``scope`` (vectors, payloads) and, when given, the
+        metadata filter ``where``; returns how many."""
+        ids = self.ids_in_scope(scope)
+        if where is not None:
+            ids = np.intersect1d(ids, self.metadata.matching(where), assume_unique=True)
+        return self.remove(ids)
+
+    def entries(self, ids: np.ndarray) -> bytes:
+        """JSON ``[[string id or null, metadata or null], ...]`` of each of ``ids`` (row-major;
+        nulls for -1 and for none)."""
+        return json.dumps(self.metadata.entries(ids.reshape(-1).tolist())).encode()
+
+    def present(self, ids: np.ndarray, scope: Scope | None = None) -> np.ndarray:
+        """The ones of ``ids`` [n] that are stored and match ``scope``, in order (first
+        occurrences)."""
+        _, first = np.unique(ids, return_index=True)
+        ids = ids[np.sort(first)]
+        rows = self._scoped.rows_of(ids)
+        keep = rows >= 0
+        ids, rows = ids[keep], rows[keep]
+        codes = self.scopes.filter(scope)
+        if codes is not None and len(ids):
+            if NO_MATCH in codes:
+                return ids[:0]
+            ids = ids[scope_mask(self._scoped.scope_columns[:, rows], codes)]
+        return ids
 
     # -- snapshots ---------------------------------------------------------------------------
 
@@ -379,7 +434,9 @@ class MemoryStore:
         db.execute("DROP TABLE IF EXISTS memory_payloads")
         db.execute("DROP TABLE IF EXISTS memory_scopes")
         db.execute("DROP TABLE IF EXISTS memory_tokens")
+        db.execute("DROP TABLE IF EXISTS memory_meta")
         db.execute("CREATE TABLE memory_tokens (id INTEGER PRIMARY KEY, tokens BLOB NOT NULL)")
+        db.execute("CREATE TABLE memory_meta (id INTEGER PRIMARY KEY, key TEXT, meta TEXT)")
         db.execute(
             "CREATE TABLE memory_payloads (id INTEGER PRIMARY KEY, kind INTEGER NOT NULL, "
             "value BLOB NOT NULL)"
@@ -394,6 +451,12 @@ class MemoryStore:
         )
         db.executemany("INSERT INTO memory_scopes VALUES (?, ?, ?)", self.scopes.rows())
         db.executemany("INSERT INTO memory_tokens VALUES (?, ?)", self._tokens.items())
+        table = self.metadata
+        with_meta = set(table.meta) | set(table.keys)
+        db.executemany(
+            "INSERT INTO memory_meta VALUES (?, ?, ?)",
+            ((item, table.keys.get(item), _dump_meta(table.meta.get(item))) for item in with_meta),
+        )
 
     def restore(self, db: sqlite3.Connection, directory: str) -> None:
         """Replaces every item with those of a :meth:`snapshot` in ``db`` and ``directory``."""
@@ -421,6 +484,21 @@ class MemoryStore:
             else {}
         )
         self._token_bytes = sum(len(t) for t in self._tokens.values())
+        self.metadata.reset()
+        has_meta = db.execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'memory_meta'"
+        ).fetchone()  # snapshots of older versions have no metadata
+        stored: dict[int, tuple[str | None, str | None]] = (
+            {item: (key, meta) for item, key, meta in db.execute("SELECT * FROM memory_meta")}
+            if has_meta
+            else {}
+        )
+        all_ids = ids.tolist()
+        none: tuple[str | None, str | None] = (None, None)
+        rows = [stored.get(item, none) for item in all_ids]
+        self.metadata.upsert(
+            all_ids, [None if m is None else json.loads(m) for _, m in rows], [k for k, _ in rows]
+        )
         self._tenant_items, self._tenant_bytes = {}, {}
         if self._quota:
             self._tally(self._scoped.ids.copy(), 1)
@@ -432,4 +510,17 @@ class MemoryStore:
             "index_bytes": int(self.index.nbytes),
             "payload_bytes": self._payload_bytes,
             "memory_token_bytes": self._token_bytes,
+            "metadata_items": len(self.metadata.meta),
+            "metadata_keys": self.metadata.n_keys,
+            "string_ids": len(self.metadata.keys),
         }
+
+
+def meta_size(meta: dict[str, Any] | None, key: str | None) -> int:
+    """Bytes an item's metadata and string id count for the tenant limits: their JSON."""
+    size = 0 if meta is None else len(json.dumps(meta).encode())
+    return size if key is None else size + len(key.encode())
+
+
+def _dump_meta(meta: dict[str, Any] | None) -> str | None:
+    return None if meta is None else json.dumps(meta)

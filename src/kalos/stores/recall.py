@@ -36,6 +36,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kalos import filters
 from kalos.errors import InvalidRequest
 from kalos.protocol.messages import RecallRequest, Scope
 from kalos.stores.memories import MemoryStore
@@ -99,7 +100,8 @@ def recall(
     if system is not None:
         budget -= system.n_tokens
     t1 = _monotonic_ns()
-    scores, ids = memories.search(req.query, req.k, memory_scope(scope, s.tenant))
+    where = None if req.where is None else filters.parse(req.where)
+    scores, ids = memories.search(req.query, req.k, memory_scope(scope, s.tenant), where=where)
     scores, ids = scores[0].copy(), ids[0].copy()  # GPU staging is reused: own them
     t2 = _monotonic_ns()
     token_bytes = memories.token_ids(ids)

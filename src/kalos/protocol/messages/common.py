@@ -183,3 +183,33 @@ def owner_of(scope: Scope) -> Scope | None:
     if scope.tenant is None and scope.user is None:
         return None
     return Scope(scope.tenant, scope.user, None)
+
+
+# -- JSON sections (1.5): metadata, string ids, filters ----------------------------------------
+
+
+def json_section_size(data: bytes) -> int:
+    """Bytes of a JSON section: ``u64 length, u64 0``, the UTF-8 JSON padded to 8."""
+    return 16 + _pad8(len(data))
+
+
+def write_json_section(buf: np.ndarray, off: int, data: bytes) -> int:
+    """Writes a JSON section at ``off``; returns the offset after it."""
+    _U64X2.pack_into(buf, off, len(data), 0)
+    off += 16
+    if data:
+        buf[off : off + len(data)] = np.frombuffer(data, np.uint8)
+    pad = _pad8(len(data)) - len(data)
+    if pad:
+        buf[off + len(data) : off + len(data) + pad] = 0
+    return off + _pad8(len(data))
+
+
+def read_json_section(buf: np.ndarray, off: int, end: int) -> tuple[bytes, int]:
+    """(the JSON bytes, the offset after the section) of a section at ``off``."""
+    _need(off + 16, end)
+    n, _ = _U64X2.unpack_from(buf, off)
+    off += 16
+    if n > end - off:
+        raise InvalidRequest("a JSON section's length points outside the request")
+    return bytes(buf[off : off + n]), off + _pad8(n)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import struct
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -16,18 +17,30 @@ from kalos.protocol.messages.common import (
     _HEAD4,
     _I64,
     _NO_SCOPE,
+    _U64X2,
     ScopeBytes,
     _array,
     _fit,
     _matrix,
     _need,
     _pad8,
+    json_section_size,
+    read_json_section,
     read_scope,
     vector_dtype,
     wire_dtype,
+    write_json_section,
     write_scope,
 )
 from kalos.types import Scope
+
+
+def _json(data: bytes, what: str) -> object:
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise InvalidRequest(f"{what} is not valid JSON: {exc}") from None
+
 
 # -- SEARCH --------------------------------------------------------------------------------
 
@@ -36,14 +49,21 @@ def search_request_size(nq: int, dim: int, itemsize: int, sb: ScopeBytes) -> int
     return 16 + sb.nbytes + _pad8(nq * dim * itemsize)
 
 
-def encode_search(buf: np.ndarray, queries: np.ndarray, k: int, sb: ScopeBytes) -> int:
-    """Writes a SEARCH body (queries: [nq, dim] f32 or f16, C-contiguous); returns its length."""
+def encode_search(
+    buf: np.ndarray, queries: np.ndarray, k: int, sb: ScopeBytes, where: bytes | None = None
+) -> int:
+    """Writes a SEARCH body (queries: [nq, dim] f32 or f16, C-contiguous); returns its length.
+    ``where``: a filter's JSON (kalos.filters), sent with flag SEARCH_FILTER."""
     shape = nq, dim = queries.shape
     dtype = queries.dtype
     size = 16 + sb.nbytes + _pad8(queries.nbytes)
+    if where is not None:
+        size += json_section_size(where)
     _fit(size, len(buf), "search request")
     _HEAD4.pack_into(buf, 0, nq, k, dim, codes.DTYPE_F16 if dtype.char == "e" else codes.DTYPE_F32)
     off = write_scope(buf, 16, sb)
+    if where is not None:
+        off = write_json_section(buf, off, where)
     np.ndarray(shape, dtype, buf, off)[...] = queries
     return size
 
@@ -52,14 +72,18 @@ class SearchRequest(NamedTuple):
     queries: np.ndarray  # [nq, dim] view into the request arena
     k: int
     scope: Scope
+    where: bytes | None = None  # the filter's JSON (flag SEARCH_FILTER)
 
 
 _SEARCH_HEAD = struct.Struct("<IIIIIII")  # nq, k, dim, dtype, then the scope's three lengths
 
 
-def decode_search(buf: np.ndarray, end: int, with_queries: bool = True) -> SearchRequest:
+def decode_search(
+    buf: np.ndarray, end: int, with_queries: bool = True, flags: int = 0
+) -> SearchRequest:
     """A SEARCH body; ``with_queries`` False (flag SEARCH_GPU_QUERY): the body ends after the
-    scope block and ``queries`` is an empty [nq, 0] array (the queries are on the GPU)."""
+    scope block and ``queries`` is an empty [nq, 0] array (the queries are on the GPU). With
+    flag SEARCH_FILTER a JSON section (the filter) follows the scope block."""
     _need(32, end)
     nq, k, dim, dtype, a, b, c = _SEARCH_HEAD.unpack_from(buf, 0)
     if a or b or c:
@@ -68,9 +92,12 @@ def decode_search(buf: np.ndarray, end: int, with_queries: bool = True) -> Searc
         scope, off = _NO_SCOPE, 32
     if nq == 0 or dim == 0:
         raise InvalidRequest("search needs at least one query of dimension > 0")
+    where = None
+    if flags & codes.SEARCH_FILTER:
+        where, off = read_json_section(buf, off, end)
     if not with_queries:
-        return SearchRequest(np.empty((nq, 0), np.float32), k, scope)
-    return SearchRequest(_matrix(buf, off, vector_dtype(dtype), (nq, dim), end), k, scope)
+        return SearchRequest(np.empty((nq, 0), np.float32), k, scope, where)
+    return SearchRequest(_matrix(buf, off, vector_dtype(dtype), (nq, dim), end), k, scope, where)
 
 
 def encode_search_header(buf: np.ndarray, nq: int, dim: int, k: int, sb: ScopeBytes) -> int:
@@ -102,19 +129,28 @@ def encode_search_response(
     scores: np.ndarray,
     ids: np.ndarray,
     payloads: list[tuple[int, bytes]] | None,
+    entries: bytes | None = None,
 ) -> int:
-    """Writes a SEARCH response (scores [nq,k] f32, ids [nq,k] i64; payloads per hit)."""
+    """Writes a SEARCH response (scores [nq,k] f32, ids [nq,k] i64; payloads per hit).
+    ``entries``: the JSON ``[[string id or null, metadata or null], ...]`` of every hit
+    (flag SEARCH_WANT_META; the header's fourth word 1), a section right after the ids."""
     nq, k = ids.shape
     m = nq * k
     off = 16 + _pad8(m * 4)
     size = off + m * 8
+    if entries is not None:
+        size += json_section_size(entries)
     if payloads is not None:
         blob_len = sum(len(p[1]) for p in payloads)
         size += _pad8(m) + (m + 1) * 8 + blob_len
     _fit(size, len(buf), "search response")
-    _HEAD4.pack_into(buf, 0, nq, k, 1 if payloads is not None else 0, 0)
+    _HEAD4.pack_into(
+        buf, 0, nq, k, 1 if payloads is not None else 0, 1 if entries is not None else 0
+    )
     buf[16 : 16 + m * 4].view(np.float32)[:] = scores.reshape(-1)
     buf[off : off + m * 8].view(np.int64)[:] = ids.reshape(-1)
+    if entries is not None:
+        off = write_json_section(buf, off + m * 8, entries) - m * 8
     if payloads is not None:
         off += m * 8
         kinds = buf[off : off + m]
@@ -142,18 +178,24 @@ class SearchResponse(NamedTuple):
     scores: np.ndarray  # [nq, k] f32 view
     ids: np.ndarray  # [nq, k] i64 view
     payloads: list[str | bytes | None] | None  # nq*k entries, row-major
+    entries: list[list[Any]] | None = None  # nq*k [string id, metadata], with SEARCH_WANT_META
 
 
 def decode_search_response(buf: np.ndarray, end: int) -> SearchResponse:
     _need(16, end)
-    nq, k, has_payloads, _ = _HEAD4.unpack_from(buf, 0)
+    nq, k, has_payloads, has_entries = _HEAD4.unpack_from(buf, 0)
     m = nq * k
     off = 16 + _pad8(m * 4)
     _need(off + m * 8, end)
     shape = (nq, k)
     scores, ids = np.ndarray(shape, _F32, buf, 16), np.ndarray(shape, _I64, buf, off)
+    entries: list[list[Any]] | None = None
+    if has_entries:
+        raw, after = read_json_section(buf, off + m * 8, end)
+        entries = _json(raw, "the hits' metadata")  # type: ignore[assignment]
+        off = after - m * 8
     if not has_payloads:
-        return SearchResponse(scores, ids, None)
+        return SearchResponse(scores, ids, None, entries)
     off += m * 8
     kinds = _array(buf, off, np.dtype(np.uint8), m, end)
     off += _pad8(m)
@@ -161,7 +203,7 @@ def decode_search_response(buf: np.ndarray, end: int) -> SearchResponse:
     start = off + (m + 1) * 8
     _need(start + int(offsets[-1]), end)
     blob = buf[start:end].tobytes()
-    return SearchResponse(scores, ids, _decode_payloads(kinds, offsets, blob))
+    return SearchResponse(scores, ids, _decode_payloads(kinds, offsets, blob), entries)
 
 
 def _decode_payloads(
@@ -192,15 +234,31 @@ def add_item_sizes(
     payload_lens: np.ndarray,
     sb: ScopeBytes,
     token_lens: np.ndarray | None = None,
+    meta_lens: np.ndarray | None = None,
 ) -> tuple[int, np.ndarray]:
     """Fixed bytes of an ADD body and the bytes each item adds (for chunking bulk adds).
-    ``token_lens``: token ids of each item, when the ADD carries token ids."""
+    ``token_lens``: token ids of each item, when the ADD carries token ids. ``meta_lens``:
+    bytes of each item's metadata and string id JSON (with its separators), with
+    ADD_HAS_META."""
     fixed = 16 + sb.nbytes + 8 + 7 + 7  # header, scope, the extra offset, worst-case padding
     per_item = 8 + dim * itemsize + 1 + 8 + payload_lens
     if token_lens is not None:
         fixed += 8 + 7 + 7  # the extra token offset, worst-case padding of the two sections
         per_item = per_item + 1 + 8 + 4 * token_lens
+    if meta_lens is not None:
+        fixed += 16 + 7 + len(_META_OPEN) + len(_META_MID) + len(_META_CLOSE)
+        per_item = per_item + meta_lens
     return fixed, per_item
+
+
+# The metadata section of an ADD: {"meta": [m0, m1, ...], "keys": [k0, k1, ...]}, each entry
+# an item's metadata object (or null) and its string id (or null).
+_META_OPEN, _META_MID, _META_CLOSE = b'{"meta":[', b'],"keys":[', b"]}"
+
+
+def add_meta_json(meta: Sequence[bytes], keys: Sequence[bytes]) -> bytes:
+    """The metadata section's JSON from each item's metadata and string id, as JSON each."""
+    return _META_OPEN + b",".join(meta) + _META_MID + b",".join(keys) + _META_CLOSE
 
 
 def _add_size(n: int, vector_bytes: int, blob_len: int, sb: ScopeBytes, n_tokens: int) -> int:
@@ -218,15 +276,19 @@ def encode_add(
     blobs: list[bytes],
     sb: ScopeBytes,
     tokens: Sequence[np.ndarray | None] | None = None,
+    meta: bytes | None = None,
 ) -> int:
     """Writes an ADD body for ids [n] i64, vectors [n, dim], payload kinds [n] u8 and bytes.
 
     ``tokens``: None, or per item its token ids (int32 [m]) or None (the sidecar tokenizes a
-    text payload when it has a tokenizer); the request then needs flag ADD_HAS_TOKENS."""
+    text payload when it has a tokenizer); the request then needs flag ADD_HAS_TOKENS.
+    ``meta``: the metadata section's JSON (:func:`add_meta_json`), with flag ADD_HAS_META."""
     n, dim = vectors.shape
     blob_len = sum(len(b) for b in blobs)
     n_tokens = -1 if tokens is None else sum(0 if t is None else len(t) for t in tokens)
     size = _add_size(n, vectors.nbytes, blob_len, sb, n_tokens)
+    if meta is not None:
+        size += json_section_size(meta)
     _fit(size, len(buf), f"add of {n} items")
     _HEAD4.pack_into(buf, 0, n, dim, wire_dtype(vectors.dtype), 0)
     off = write_scope(buf, 16, sb)
@@ -261,6 +323,8 @@ def encode_add(
         off += 4 * n_tokens
         buf[off : off + _pad8(4 * n_tokens) - 4 * n_tokens] = 0
         off = _pad8(off)
+    if meta is not None:
+        off = write_json_section(buf, off, meta)
     if blob_len:
         buf[off : off + blob_len] = np.frombuffer(b"".join(blobs), np.uint8)
     return size
@@ -276,6 +340,10 @@ class AddRequest(NamedTuple):
     # With flag ADD_HAS_TOKENS, per item its token ids (an int32 view into the request), or
     # None (tokenize, when the sidecar can); without the flag: None.
     tokens: list[np.ndarray | None] | None = None
+    # With flag ADD_HAS_META: per item its metadata (a dict or None) and its string id (or
+    # None); without the flag: None.
+    meta: list[dict[str, Any] | None] | None = None
+    keys: list[str | None] | None = None
 
 
 def decode_add(buf: np.ndarray, end: int, flags: int = 0) -> AddRequest:
@@ -296,6 +364,10 @@ def decode_add(buf: np.ndarray, end: int, flags: int = 0) -> AddRequest:
     tokens = None
     if flags & codes.ADD_HAS_TOKENS:
         tokens, off = _decode_add_tokens(buf, off, n, end)
+    meta = keys = None
+    if flags & codes.ADD_HAS_META:
+        raw, off = read_json_section(buf, off, end)
+        meta, keys = _decode_add_meta(raw, n)
     blob = buf[off:end]
     if offsets[0] != 0 or bool((offsets[1:] < offsets[:-1]).any()):
         raise InvalidRequest("payload offsets are not ascending from 0")
@@ -304,7 +376,25 @@ def decode_add(buf: np.ndarray, end: int, flags: int = 0) -> AddRequest:
     if bool((kinds > codes.PAYLOAD_BYTES).any()):
         raise InvalidRequest("unknown payload kind")
     _check_text(kinds, offsets, blob)
-    return AddRequest(ids, vectors, kinds, offsets, blob, scope, tokens)
+    return AddRequest(ids, vectors, kinds, offsets, blob, scope, tokens, meta, keys)
+
+
+def _decode_add_meta(raw: bytes, n: int) -> tuple[list[dict[str, Any] | None], list[str | None]]:
+    doc = _json(raw, "the items' metadata")
+    if not isinstance(doc, dict):
+        raise InvalidRequest("the items' metadata must be a JSON object")
+    meta = doc.get("meta") or [None] * n
+    keys = doc.get("keys") or [None] * n
+    if not isinstance(meta, list) or not isinstance(keys, list):
+        raise InvalidRequest("the items' metadata and string ids must be JSON lists")
+    if len(meta) != n or len(keys) != n:
+        raise InvalidRequest(f"{len(meta)} metadata and {len(keys)} string ids for {n} items")
+    for i, (m, k) in enumerate(zip(meta, keys, strict=True)):
+        if m is not None and not isinstance(m, dict):
+            raise InvalidRequest(f"metadata {i} must be a JSON object or null")
+        if k is not None and not isinstance(k, str):
+            raise InvalidRequest(f"string id {i} must be a JSON string or null")
+    return meta, keys
 
 
 def _decode_add_tokens(
@@ -362,3 +452,36 @@ def decode_remove(buf: np.ndarray, end: int) -> np.ndarray:
     _need(8, end)
     n, _ = _HEAD2.unpack_from(buf, 0)
     return _array(buf, 8, np.dtype(np.int64), n, end)
+
+
+# -- LOOKUP (1.5) --------------------------------------------------------------------------
+# Request: ``u32 n, u32 0``, scope block (filter), ``i64 ids[n]``. Response: a SEARCH
+# response of one row holding the ids found that match the scope, in request order (each
+# once, scores 0), with payloads and entries.
+
+
+def encode_lookup(buf: np.ndarray, ids: np.ndarray, sb: ScopeBytes) -> int:
+    n = len(ids)
+    size = 8 + sb.nbytes + n * 8
+    _fit(size, len(buf), f"lookup of {n} ids")
+    _HEAD2.pack_into(buf, 0, n, 0)
+    off = write_scope(buf, 8, sb)
+    buf[off:size].view(np.int64)[:] = ids
+    return size
+
+
+def decode_lookup(buf: np.ndarray, end: int) -> tuple[np.ndarray, Scope]:
+    _need(8, end)
+    n, _ = _HEAD2.unpack_from(buf, 0)
+    scope, off = read_scope(buf, 8, end)
+    return _array(buf, off, np.dtype(np.int64), n, end), scope
+
+
+def encode_filter_tail(where: bytes) -> bytes:
+    """The tail of a FORGET body with flag FORGET_FILTER: the filter's JSON section."""
+    return _U64X2.pack(len(where), 0) + where  # encode_scoped pads the tail to 8
+
+
+def decode_filter_at(buf: np.ndarray, off: int, end: int) -> bytes:
+    """The filter's JSON of a JSON section at ``off`` (FORGET_FILTER)."""
+    return read_json_section(buf, off, end)[0]

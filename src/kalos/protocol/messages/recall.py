@@ -19,9 +19,12 @@ from kalos.protocol.messages.common import (
     _pad8,
     _put_bytes,
     _text_at,
+    json_section_size,
+    read_json_section,
     read_scope,
     vector_dtype,
     wire_dtype,
+    write_json_section,
     write_scope,
 )
 from kalos.types import Scope
@@ -59,17 +62,24 @@ def encode_recall(
     max_turns: int,
     memory_tokens: int,
     sb: ScopeBytes,
+    where: bytes | None = None,
 ) -> int:
     """Writes a RECALL body (query: [dim] or [1, dim] f32 or f16, C-contiguous; max_turns and
-    memory_tokens NO_LIMIT for none); returns its length."""
+    memory_tokens NO_LIMIT for none); returns its length. ``where``: a metadata filter's JSON
+    for the memories (flag RecallFlag.FILTER), a section between the session id and the
+    query."""
     q = query.reshape(-1)
     size = recall_request_size(len(q), q.itemsize, len(session), sb)
+    if where is not None:
+        size += json_section_size(where)
     _fit(size, len(buf), "recall request")
     _RECALL_HEAD.pack_into(
         buf, 0, k, len(q), wire_dtype(q.dtype), max_tokens, max_turns, memory_tokens,
         len(session), 0,
     )  # fmt: skip
     off = _put_bytes(buf, write_scope(buf, 32, sb), session)
+    if where is not None:
+        off = write_json_section(buf, off, where)
     buf[off : off + q.nbytes].view(q.dtype)[:] = q
     return size
 
@@ -82,9 +92,10 @@ class RecallRequest(NamedTuple):
     max_turns: int | None
     memory_tokens: int | None  # cap on the memories' token ids; None: the budget alone
     scope: Scope  # memory filter; its tenant and user also filter the session
+    where: bytes | None = None  # a metadata filter's JSON for the memories (RecallFlag.FILTER)
 
 
-def decode_recall(buf: np.ndarray, end: int) -> RecallRequest:
+def decode_recall(buf: np.ndarray, end: int, flags: int = 0) -> RecallRequest:
     _need(32, end)
     k, dim, dtype, max_tokens, max_turns, memory_tokens, session_len, _ = _RECALL_HEAD.unpack_from(
         buf, 0
@@ -94,6 +105,9 @@ def decode_recall(buf: np.ndarray, end: int) -> RecallRequest:
     if not session:
         raise InvalidRequest("a session id is required")
     off += _pad8(session_len)
+    where = None
+    if flags & codes.RecallFlag.FILTER:
+        where, off = read_json_section(buf, off, end)
     if dim == 0:
         raise InvalidRequest("recall needs a query of dimension > 0")
     q = _array(buf, off, vector_dtype(dtype), dim, end).reshape(1, dim)
@@ -105,6 +119,7 @@ def decode_recall(buf: np.ndarray, end: int) -> RecallRequest:
         None if max_turns == NO_LIMIT else max_turns,
         None if memory_tokens == NO_LIMIT else memory_tokens,
         scope,
+        where,
     )
 
 

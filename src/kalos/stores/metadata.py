@@ -1,0 +1,306 @@
+"""Per-item metadata and string ids of the memory store, kept as columns for filtering.
+
+Every item of the store holds a **slot**: a row of each column, assigned when the item is
+first added and freed when it is removed (a freed slot is reused; slots never move, so no
+column is ever rewritten on a removal). A column per metadata key holds, per slot, the
+value's kind (none, str, number, bool, list), its number as float64 and its string as an
+int64 code (strings are interned per key); a list's elements go into an inverted map from
+element to the slots holding it. So a filter (:mod:`kalos.filters`) evaluates to a bool mask
+over the slots with numpy operations per condition, never with Python per row: a string
+comparison other than equality runs over the key's distinct strings, then one ``np.isin``.
+
+The item's metadata dict itself is kept as given (returned by search and lookup, written to
+snapshots); the columns are rebuilt from it on restore.
+
+String ids: a caller's string id maps onto the 63-bit int64 id :func:`key_id` (the first 8
+bytes of its BLAKE2b digest, top bit cleared), computed by the client; the store keeps the
+string per id and refuses, with :class:`~kalos.errors.Conflict`, a string whose id already
+belongs to another string.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from kalos.errors import Conflict, InvalidRequest
+from kalos.filters import ColumnSource, Cond, Node, evaluate, family, key_id
+from kalos.index.rows import grown_capacity
+
+_NONE, _STR, _NUM, _BOOL, _LIST = 0, 1, 2, 3, 4
+_KIND = {"s": _STR, "n": _NUM, "b": _BOOL}
+
+
+def _element(value: object) -> tuple[str, object] | None:
+    fam = family(value)
+    if fam is None:
+        return None
+    return (fam, float(value) if fam == "n" else value)  # type: ignore[arg-type]
+
+
+class _Column:
+    """One metadata key over the slots: kind [cap] i8, num [cap] f64, code [cap] i64."""
+
+    def __init__(self, capacity: int) -> None:
+        self.kind = np.zeros(capacity, np.int8)
+        self.num = np.zeros(capacity, np.float64)
+        self.code = np.full(capacity, -1, np.int64)
+        self.strings: dict[str, int] = {}
+        self.names: list[str] = []
+        self.elements: dict[tuple[str, object], set[int]] = {}
+        self.slot_elements: dict[int, list[tuple[str, object]]] = {}
+
+    def grow(self, capacity: int) -> None:
+        old = self.kind.shape[0]
+        for name, fill in (("kind", 0), ("num", 0.0), ("code", -1)):
+            arr = getattr(self, name)
+            new = np.full(capacity, fill, arr.dtype)
+            new[:old] = arr
+            setattr(self, name, new)
+
+    def set(self, slot: int, value: object) -> None:
+        self.clear(slot)
+        if isinstance(value, list):
+            self.kind[slot] = _LIST
+            elems = [e for e in map(_element, value) if e is not None]
+            self.slot_elements[slot] = elems
+            for e in elems:
+                self.elements.setdefault(e, set()).add(slot)
+            return
+        fam = family(value)
+        if fam is None:
+            return
+        self.kind[slot] = _KIND[fam]
+        if isinstance(value, str):
+            code = self.strings.get(value)
+            if code is None:
+                code = self.strings[value] = len(self.names)
+                self.names.append(value)
+            self.code[slot] = code
+        else:
+            self.num[slot] = float(value)  # type: ignore[arg-type]
+
+    def clear(self, slot: int) -> None:
+        if self.kind[slot] == _LIST:
+            for e in self.slot_elements.pop(slot, ()):
+                holders = self.elements.get(e)
+                if holders is not None:
+                    holders.discard(slot)
+                    if not holders:
+                        del self.elements[e]
+        self.kind[slot] = _NONE
+        self.code[slot] = -1
+
+    def _codes_where(self, keep: Any) -> np.ndarray:
+        """Codes of the distinct strings for which ``keep(name)`` holds."""
+        return np.array([c for c, s in enumerate(self.names) if keep(s)], np.int64)
+
+    def condition(self, cond: Cond, n: int) -> np.ndarray:
+        kind, num, code = self.kind[:n], self.num[:n], self.code[:n]
+        op, want = cond.op, cond.value
+        if op == "contains":
+            out = np.zeros(n, bool)
+            elem = _element(want)
+            holders = self.elements.get(elem) if elem is not None else None
+            if holders:
+                out[np.fromiter(holders, np.int64, len(holders))] = True
+            if isinstance(want, str):
+                codes = self._codes_where(lambda s: want in s)
+                out |= (kind == _STR) & np.isin(code, codes)
+            return out
+        if op in ("in", "nin"):
+            kinds = {_KIND[str(family(v))] for v in want}
+            right_kind = np.isin(kind, np.array(sorted(kinds), np.int8))
+            strs = [v for v in want if isinstance(v, str)]
+            hit = np.zeros(n, bool)
+            if strs:
+                codes = np.array([self.strings.get(s, -2) for s in strs], np.int64)
+                hit |= (kind == _STR) & np.isin(code, codes)
+            for kind_code, fam in ((_NUM, "n"), (_BOOL, "b")):
+                vals = [float(v) for v in want if family(v) == fam]
+                if vals:
+                    hit |= (kind == kind_code) & np.isin(num, np.array(vals, np.float64))
+            return hit if op == "in" else right_kind & ~hit
+        same = kind == _KIND[str(family(want))]
+        if isinstance(want, str):
+            if op in ("eq", "ne"):
+                equal = code == self.strings.get(want, -2)
+                return same & (equal if op == "eq" else ~equal)
+            cmp = _STR_ORDER[op]
+            return same & np.isin(code, self._codes_where(lambda s: cmp(s, want)))
+        value = float(want)
+        if op == "eq":
+            return same & (num == value)
+        if op == "ne":
+            return same & (num != value)
+        return same & _NUM_ORDER[op](num, value)
+
+
+_NUM_ORDER = {"gt": np.greater, "gte": np.greater_equal, "lt": np.less, "lte": np.less_equal}
+_STR_ORDER = {
+    "gt": lambda a, b: a > b,
+    "gte": lambda a, b: a >= b,
+    "lt": lambda a, b: a < b,
+    "lte": lambda a, b: a <= b,
+}
+
+
+class MetadataTable(ColumnSource):
+    """Metadata dicts and string ids by item id, and their filter columns over slots."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self._slot_of: dict[int, int] = {}
+        self._ids = np.full(0, -1, np.int64)  # [capacity]: the item in each slot, -1 free
+        self._free: list[int] = []
+        self._used = 0  # slots 0.._used-1 were ever handed out
+        self._columns: dict[str, _Column] = {}
+        self.meta: dict[int, dict[str, Any]] = {}
+        self.keys: dict[int, str] = {}
+
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+    @property
+    def n_keys(self) -> int:
+        """Metadata keys ever seen (each has its columns)."""
+        return len(self._columns)
+
+    # -- writes ------------------------------------------------------------------------------
+
+    def check_keys(self, ids: Iterable[int], keys: list[str | None] | None) -> None:
+        """InvalidRequest for a key whose id is not :func:`key_id` of it; Conflict for a key
+        whose id belongs to another key (stored, or earlier in the batch). Changes nothing."""
+        if keys is None:
+            return
+        seen: dict[int, str] = {}
+        for item, key in zip(ids, keys, strict=True):
+            if key is None:
+                continue
+            if not isinstance(key, str):
+                raise InvalidRequest(f"a string id must be a str, got {type(key).__name__}")
+            if key_id(key) != item:
+                raise InvalidRequest(f"string id {key!r} does not map to id {item}")
+            other = seen.get(item, self.keys.get(item))
+            if other is not None and other != key:
+                raise Conflict(
+                    f"string ids {other!r} and {key!r} map to the same 63-bit id {item}; "
+                    "use another string"
+                )
+            seen[item] = key
+
+    def upsert(
+        self,
+        ids: list[int],
+        meta: list[dict[str, Any] | None] | None,
+        keys: list[str | None] | None,
+    ) -> None:
+        """Places (or replaces) each item's metadata and string id; the last of an id wins."""
+        if meta is None and keys is None:
+            self._upsert_plain(ids)
+            return
+        for i, item in enumerate(ids):
+            slot = self._slot_of.get(item)
+            if slot is None:
+                slot = self._new_slot(item)
+            m = None if meta is None else meta[i]
+            old = self.meta.pop(item, None)
+            if old:
+                for name in old:
+                    self._columns[name].clear(slot)
+            if m:
+                self.meta[item] = m
+                for name, value in m.items():
+                    column = self._columns.get(name)
+                    if column is None:
+                        column = self._columns[name] = _Column(self._ids.shape[0])
+                    column.set(slot, value)
+            key = None if keys is None else keys[i]
+            if key is None:
+                self.keys.pop(item, None)
+            else:
+                self.keys[item] = key
+
+    def _upsert_plain(self, ids: list[int]) -> None:
+        """Items without metadata or string id (a plain add): slots for the new ones in bulk,
+        and whatever the others had cleared."""
+        slot_of = self._slot_of
+        fresh = list(dict.fromkeys(i for i in ids if i not in slot_of))
+        for item in ids:
+            if item in self.meta or item in self.keys:
+                self.remove([item])
+                if item not in fresh:
+                    fresh.append(item)
+        reuse = min(len(self._free), len(fresh))
+        for item in fresh[:reuse]:
+            self._new_slot(item)
+        rest = fresh[reuse:]
+        if not rest:
+            return
+        first = self._used
+        self._reserve(first + len(rest))
+        self._ids[first : first + len(rest)] = rest
+        slot_of.update(zip(rest, range(first, first + len(rest)), strict=True))
+        self._used = first + len(rest)
+
+    def _reserve(self, need: int) -> None:
+        if need <= self._ids.shape[0]:
+            return
+        capacity = grown_capacity(self._ids.shape[0], need)
+        ids = np.full(capacity, -1, np.int64)
+        ids[: self._ids.shape[0]] = self._ids
+        self._ids = ids
+        for column in self._columns.values():
+            column.grow(capacity)
+
+    def _new_slot(self, item: int) -> int:
+        if self._free:
+            slot = self._free.pop()
+        else:
+            slot = self._used
+            self._used += 1
+            self._reserve(slot + 1)
+        self._ids[slot] = item
+        self._slot_of[item] = slot
+        return slot
+
+    def remove(self, ids: Iterable[int]) -> None:
+        for item in ids:
+            slot = self._slot_of.pop(item, None)
+            if slot is None:
+                continue
+            old = self.meta.pop(item, None)
+            if old:
+                for name in old:
+                    self._columns[name].clear(slot)
+            self.keys.pop(item, None)
+            self._ids[slot] = -1
+            self._free.append(slot)
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def condition(self, cond: Cond, n: int) -> np.ndarray:
+        column = self._columns.get(cond.key)
+        if column is None:
+            return np.zeros(n, bool)
+        return column.condition(cond, n)
+
+    def matching(self, node: Node) -> np.ndarray:
+        """ids [m] int64 of the items whose metadata matches ``node``, in slot order."""
+        n = self._used
+        mask = evaluate(node, self, n)
+        ids = self._ids[:n]
+        mask &= ids >= 0
+        return ids[mask]
+
+    def entries(self, ids: Iterable[int]) -> list[tuple[str | None, dict[str, Any] | None]]:
+        """(string id, metadata) of each id; (None, None) for none or -1."""
+        keys, meta = self.keys.get, self.meta.get
+        return [(keys(i), meta(i)) for i in ids]
+
+
+__all__ = ["MetadataTable", "key_id"]

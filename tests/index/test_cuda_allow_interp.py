@@ -1,0 +1,89 @@
+"""CudaFlatIndex.search(allow=...) on the CPU, under TRITON_INTERPRET=1: the exact top-k of
+the allowed rows (a metadata filter's matches), with and without a scope filter, after
+removals, against the float64 reference of tests/cuda_reference.py, on both of its paths (a
+gather of the few allowed rows; the scan kernel with a row mask); and random filters over
+random metadata through it."""
+
+from __future__ import annotations
+
+# isort: off
+from triton_interp import torch, triton  # noqa: F401  (first: sets TRITON_INTERPRET)
+
+# isort: on
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cuda_reference import check_result, make_index
+from kalos import filters
+from kalos.stores.metadata import MetadataTable
+from test_filters import FILTERS, METAS
+
+
+@pytest.mark.parametrize(
+    "metric,dtype,nq,k,share",
+    [("ip", "fp16", 1, 10, 0.05), ("cosine", "bf16", 2, 7, 0.5), ("l2", "fp32", 3, 5, 1.0)],
+)
+def test_allowed_rows_only(metric: str, dtype: str, nq: int, k: int, share: float) -> None:
+    rng = np.random.default_rng(7)
+    n, dim = 300, 32
+    idx = make_index(metric, dtype, dim, "cpu")
+    x = rng.standard_normal((n, dim)).astype(np.float32)
+    ids = rng.permutation(10 * n)[:n].astype(np.int64) + 1
+    scopes = np.stack([rng.integers(1, 3, n), np.zeros(n, np.int64), rng.integers(4, 6, n)], 1)
+    idx.add(x, ids, scopes)
+    gone = ids[:20]
+    idx.remove(gone)
+    live = np.ones(n, bool)
+    live[:20] = False
+    allowed = rng.random(n) < share
+    allow = np.concatenate([ids[allowed], [999_999]])  # an unknown id is ignored
+    q = rng.standard_normal((nq, dim)).astype(np.float32)
+    masked = []  # which path each search took: the kernel with a row mask, or the gather
+    scan = idx._search_masked
+    idx._search_masked = lambda *a: masked.append(1) or scan(*a)  # type: ignore[method-assign]
+    for scope in (None, (1, 0, 0), (1, 0, 5)):
+        s, got = idx.search(q, k, scope=scope, allow=allow)
+        keep = live & allowed & (scopes[:, 2] == 5 if scope == (1, 0, 5) else True)
+        check_result(idx, x[keep], ids[keep], scopes[keep], q, k, s, got, scope=scope)
+    assert len(masked) == (3 if share >= 1 / 16 else 0)
+    # rows move (a removal fills holes from the end; an add appends): the sorted ids follow
+    idx.remove(ids[20:40])
+    live[20:40] = False
+    for keep1 in (live & allowed, live & ~allowed):
+        s, got = idx.search(q, k, allow=ids[keep1])
+        check_result(idx, x[keep1], ids[keep1], scopes[keep1], q, k, s, got)
+    fresh = rng.standard_normal((10, dim)).astype(np.float32)
+    fresh_ids = np.arange(10, dtype=np.int64) + 10**6
+    idx.add(fresh, fresh_ids, scopes[:10])
+    x2, ids2 = np.concatenate([x, fresh]), np.concatenate([ids, fresh_ids])
+    scopes2 = np.concatenate([scopes, scopes[:10]])
+    for keep2 in (  # the same ids again, and the others (rows that moved among them)
+        np.concatenate([live & allowed, np.ones(10, bool)]),
+        np.concatenate([live & ~allowed, np.ones(10, bool)]),
+    ):
+        s, got = idx.search(q, k, allow=ids2[keep2])
+        check_result(idx, x2[keep2], ids2[keep2], scopes2[keep2], q, k, s, got)
+    s, got = idx.search(q, k, allow=np.empty(0, np.int64))
+    assert (got == -1).all()
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(metas=st.lists(METAS, min_size=1, max_size=40), where=FILTERS)
+def test_random_filters_through_the_cuda_index(metas: list, where: dict) -> None:
+    rng = np.random.default_rng(len(metas))
+    n, dim = len(metas), 16
+    idx = make_index("ip", "fp32", dim, "cpu")
+    x = rng.standard_normal((n, dim)).astype(np.float32)
+    ids = np.arange(n, dtype=np.int64) + 1
+    idx.add(x, ids)
+    table = MetadataTable()
+    table.upsert(ids.tolist(), metas, None)
+    node = filters.parse(where)
+    allow = table.matching(node)
+    keep = np.array([filters.matches(node, m) for m in metas])
+    q = rng.standard_normal((1, dim)).astype(np.float32)
+    s, got = idx.search(q, 5, allow=allow)
+    check_result(idx, x[keep], ids[keep], None, q, 5, s, got)
