@@ -14,9 +14,11 @@ all of them took ~0.8 ms, as long as a third of the product itself; taking a thr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
-from .base import RowIndex, check_batch, check_ids
+from .base import RowIndex, ScopeFilter, check_batch, check_ids
 
 SAMPLE_STRIDE = 32
 """Top-k takes its threshold from every 32nd score (about 32*k candidates survive)."""
@@ -66,11 +68,13 @@ class CpuFlatIndex(RowIndex):
     # l2 ranks by q·x - |x|²/2 (same order as |q - x|², one product instead of a difference)
     _half_sqnorms: np.ndarray  # [capacity] float32, l2 only
     _scores: np.ndarray  # [capacity] float32 scratch for nq == 1
+    _batch_scores: np.ndarray  # [B * n] float32 scratch for search_many
 
     @property
     def nbytes(self) -> int:
         """Bytes allocated for vectors, ids, scopes and per-row scratch (capacity, not live)."""
-        return int(self._table.nbytes + self._half_sqnorms.nbytes + self._scores.nbytes)
+        scratch = self._scores.nbytes + self._batch_scores.nbytes
+        return int(self._table.nbytes + self._half_sqnorms.nbytes + scratch)
 
     # --- writes ---------------------------------------------------------------------------
 
@@ -91,6 +95,7 @@ class CpuFlatIndex(RowIndex):
         super().reset()
         self._half_sqnorms = np.empty(0, dtype=np.float32)
         self._scores = np.empty(0, dtype=np.float32)
+        self._batch_scores = np.empty(0, dtype=np.float32)  # search_many's [B, n] scratch
 
     def _follow_capacity(self) -> None:
         """Grow the per-row arrays of this backend to the table's capacity (which doubles)."""
@@ -135,6 +140,80 @@ class CpuFlatIndex(RowIndex):
                 winners2, best2 = self._scan_block(q[start:stop], kk, rows, reject)
                 out_ids[start:stop, :kk] = self._table.ids[winners2]
                 out_scores[start:stop, :kk] = best2
+        return out_scores, out_ids
+
+    def search_many(
+        self, members: Sequence[tuple[object, int, ScopeFilter | None]]
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Several searches in one pass over the rows (the sidecar's dynamic batching).
+
+        Every member that scans all rows (no filter, or one matching at least GATHER_BELOW
+        of them) shares one GEMM: their queries stacked [B, dim] against the rows, in blocks
+        whose score matrix stays under BATCH_SCORE_BYTES. Each member then takes its own
+        top-k from its own rows of the scores, its filter's rejects set to -inf first. A
+        selective filter's member scans the rows it matched, as :meth:`search` does. Each
+        answer is what :meth:`search` would return for it alone (the same scores up to
+        float32 rounding of the product's order)."""
+        results: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(members)
+        n = len(self._table)
+        block = max(1, BATCH_SCORE_BYTES // (4 * n)) if n else 1
+        # (member, queries [nq, dim], k, rows to reject [n] bool or None, rows matched)
+        shared: list[tuple[int, np.ndarray, int, np.ndarray | None, int]] = []
+        for i, (queries, k, scope) in enumerate(members):
+            q, k, mask, matched = self._checked(queries, k, scope)
+            if matched == 0:
+                results[i] = self._no_results(q.shape[0], k)
+            elif (mask is not None and matched < GATHER_BELOW * n) or q.shape[0] > block:
+                results[i] = self._search_rows(q, k, mask, matched)
+            else:
+                shared.append((i, q, k, None if mask is None else ~mask, matched))
+        start = 0
+        while start < len(shared):
+            stop, rows = start, 0
+            while stop < len(shared) and rows + shared[stop][1].shape[0] <= block:
+                rows += shared[stop][1].shape[0]
+                stop += 1
+            group = shared[start:stop]
+            scores = self._shared_scores(np.concatenate([m[1] for m in group]))  # [B, n]
+            at = 0
+            for i, q, k, reject, matched in group:
+                mine = scores[at : at + q.shape[0]]
+                at += q.shape[0]
+                if reject is not None:
+                    mine[:, reject] = -np.inf
+                results[i] = self._take_top_k(q, k, mine, matched)
+            start = stop
+        return results  # type: ignore[return-value]
+
+    def _shared_scores(self, q: np.ndarray) -> np.ndarray:
+        """Scores [B, n] float32 of queries q [B, dim] against every row (one GEMM), in a
+        scratch matrix reused by the next batch (no page faults on a fresh 25 MB a batch)."""
+        n = len(self._table)
+        need = q.shape[0] * n
+        if self._batch_scores.shape[0] < need:
+            self._batch_scores = np.empty(need, dtype=np.float32)
+        scores = self._batch_scores[:need].reshape(q.shape[0], n)
+        np.matmul(q, self._table.vectors.T, out=scores)
+        if self.metric == "l2":
+            scores -= self._half_sqnorms[:n]
+        return scores
+
+    def _take_top_k(
+        self, q: np.ndarray, k: int, scores: np.ndarray, matched: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """One member's (scores [nq, k], ids [nq, k]) from its rows of the shared scores
+        [nq, n] (rejected rows already -inf)."""
+        nq = q.shape[0]
+        kk = min(k, matched)
+        if kk == k:
+            out_scores, out_ids = np.empty((nq, k), np.float32), np.empty((nq, k), np.int64)
+        else:
+            out_scores, out_ids = self._no_results(nq, k)
+        for row in range(nq):
+            winners = top_k_1d(scores[row], kk)
+            winners, best = self._finish_one(q[row], winners, scores[row, winners])
+            out_ids[row, :kk] = self._table.ids[winners]
+            out_scores[row, :kk] = best
         return out_scores, out_ids
 
     def _scan_one(

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -466,6 +466,13 @@ class CudaFlatIndex:
             raise InvalidRequest("query values exceed fp16's range (65504)")
         scores, ids = self.search_device(q, k, scope=filt)
         return scores.cpu().numpy(), ids.cpu().numpy()
+
+    def search_many(
+        self, members: Sequence[tuple[Any, int, tuple[int, int, int] | None]]
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Several searches, each ``(queries, k, scope)``: one :meth:`search` each (a cuda
+        sidecar batches through its GPU search hook, kalos.server.gpu_search, instead)."""
+        return [self.search(q, k, scope=scope) for q, k, scope in members]
 
     # ------------------------------------------------------------------------------ device path
 

@@ -227,6 +227,9 @@ class Sidecar:
             spin_us=config.spin_us,
             heartbeat_ms=config.heartbeat_ms,
             journal=self.durability,
+            handle_batch=self.dispatcher.handle_batch if config.batch_max > 1 else None,
+            batch_delay_us=config.batch_delay_us,
+            batch_max=config.batch_max,
         )
         if self.gpu is not None:
             self.poller.doorbell = self.gpu.doorbell
@@ -249,6 +252,9 @@ class Sidecar:
             "epoch": self.epoch,
             "channels": len(self.poller.channels),
             "gpu_published": self.poller.device_published,  # see server.gpu_search
+            "batches": self.poller.batches,  # of two or more searches (server.channels)
+            "batched": self.poller.batched,
+            "largest_batch": self.poller.largest_batch,
             "uds_connections": listener.uds_connections if listener else 0,
             "connects": listener.connects if listener else 0,
             "refused": listener.refused if listener else 0,
