@@ -15,6 +15,7 @@ def add_bench_parsers(parser: argparse.ArgumentParser) -> None:
     from kalos.bench import (
         async_client,
         context,
+        load,
         recall,
         recovery,
         search_cpu,
@@ -28,6 +29,7 @@ def add_bench_parsers(parser: argparse.ArgumentParser) -> None:
         transport,
         search_cpu,
         search_gpu,
+        load,
         context,
         recall,
         writes,
