@@ -162,25 +162,56 @@ def caller_loop(
     return lat, wrong, last
 
 
-def run_threads(
-    make_search: Callable[[], Callable[[int], np.ndarray]], threads: int, ref: Reference,
-    nq: int, rate: float, start_at: float, duration: float, seed: int,
-) -> tuple[list[float], int, float]:  # fmt: skip
-    """``threads`` callers in this process, each at ``rate / threads``."""
-    results: list[Any] = [None] * threads
+class CallerPool:
+    """``threads`` caller threads, each with its own search function (and so its own
+    channel), made and warmed once on its thread before any run: a run's clock never counts
+    a handshake or a first search."""
 
-    def work(t: int) -> None:
-        search = make_search()
-        results[t] = caller_loop(search, ref, nq, rate / threads, start_at, duration,
-                                 seed * 1000 + t)  # fmt: skip
+    def __init__(self, make_search: Callable[[], Callable[[int], np.ndarray]], threads: int,
+                 ref: Reference, nq: int) -> None:  # fmt: skip
+        self.threads = threads
+        self._commands: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in range(threads)]
+        self._results: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._ref, self._nq = ref, nq
+        self._workers = [
+            threading.Thread(target=self._work, args=(make_search, t), daemon=True)
+            for t in range(threads)
+        ]
+        for w in self._workers:
+            w.start()
+        for _ in range(threads):
+            ready = self._results.get()
+            if isinstance(ready, BaseException):
+                raise ready
 
-    ts = [threading.Thread(target=work, args=(t,), daemon=True) for t in range(threads)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    lat = [x for r in results for x in r[0]]
-    return lat, sum(r[1] for r in results), max(r[2] for r in results)
+    def _work(self, make_search: Callable[[], Callable[[int], np.ndarray]], t: int) -> None:
+        try:
+            search = make_search()
+            search(0)  # this thread's channel opened, its first search done
+        except BaseException as exc:
+            self._results.put(exc)
+            return
+        self._results.put(None)
+        while True:
+            cmd = self._commands[t].get()
+            if cmd is None:
+                return
+            rate, start_at, duration, seed = cmd
+            self._results.put(caller_loop(search, self._ref, self._nq, rate, start_at,
+                                          duration, seed * 1000 + t))  # fmt: skip
+
+    def run(self, rate: float, start_at: float, duration: float, seed: int
+            ) -> tuple[list[float], int, float]:  # fmt: skip
+        """Every thread at ``rate / threads`` from ``start_at``; all latencies, wrong, last."""
+        for c in self._commands:
+            c.put((rate / self.threads, start_at, duration, seed))
+        parts = [self._results.get() for _ in range(self.threads)]
+        lat = [x for p in parts for x in p[0]]
+        return lat, sum(p[1] for p in parts), max(p[2] for p in parts)
+
+    def close(self) -> None:
+        for c in self._commands:
+            c.put(None)
 
 
 # -- client processes -----------------------------------------------------------------------------
@@ -202,17 +233,16 @@ def _client_process(target: dict[str, Any], data: dict[str, Any], commands: Any,
         def search(i: int) -> np.ndarray:
             return client.search(queries[i], k, payloads=False).ids
 
-        search(0)  # this thread's channel, opened before the clock runs
         return search
 
+    pool = CallerPool(make_search, threads, ref, len(queries))
     out.put(("ready", os.getpid()))
     while True:
         cmd = commands.get()
         if cmd is None:
             break
-        rate, start_at, duration, seed = cmd
-        out.put(run_threads(make_search, threads, ref, len(queries), rate, start_at,
-                            duration, seed))  # fmt: skip
+        out.put(pool.run(*cmd))
+    pool.close()
     client.close()
 
 
@@ -450,6 +480,18 @@ def batch64_over_one(client: Any, queries: np.ndarray, k: int) -> dict[str, floa
             "batch64_over_one": round(many / one, 2)}  # fmt: skip
 
 
+def lone_caller(client: Any, queries: np.ndarray, k: int, searches: int = 100) -> dict[str, float]:
+    """p50 and p99 µs of one caller alone, ``searches`` in a row."""
+    lat = []
+    for i in range(searches + 5):
+        t0 = time.perf_counter()
+        client.search(queries[i % len(queries)], k, payloads=False)
+        lat.append(time.perf_counter() - t0)
+    us = np.asarray(lat[5:]) * 1e6
+    return {"p50_us": round(float(np.percentile(us, 50)), 1),
+            "p99_us": round(float(np.percentile(us, 99)), 1)}  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> int:
     with threadpool_limits(limits=1):  # one BLAS thread everywhere, as the sidecar's
         import_torch_threads()
@@ -534,6 +576,9 @@ def _run(args: argparse.Namespace) -> int:
             loader.add(db, ids)
             if batched:
                 checks.update(batch64_over_one(loader, queries, args.k))
+            # a lone caller must not get slower with batching on: its p50 on either sidecar
+            lone = checks.setdefault("lone_caller", {})
+            lone["batched" if batched else "unbatched"] = lone_caller(loader, queries, args.k)
             target = {"transport": "shm", "name": sc.name, "runtime_dir": sc.runtime_dir}
             for system in mine:
                 layout = "asyncio" if "async" in system else "threads"
@@ -567,13 +612,15 @@ def _run(args: argparse.Namespace) -> int:
                     rows["threads"].append({"system": system, "skipped": str(exc)})
                     continue
 
-            def drive(rate: float, seed: int, make=make) -> tuple[list[float], int, float, float]:
+            pool = CallerPool(make, clients, ref, len(queries))
+
+            def drive(rate: float, seed: int, pool=pool) -> tuple[list[float], int, float, float]:
                 start_at = time.monotonic() + 0.2
-                lat, wrong, last = run_threads(make, clients, ref, len(queries), rate,
-                                               start_at, args.duration, seed)  # fmt: skip
+                lat, wrong, last = pool.run(rate, start_at, args.duration, seed)
                 return lat, wrong, last, start_at
 
             sweep(system, "threads", drive)
+            pool.close()
             if stop is not None:
                 stop()
         loads.append(load_average())

@@ -376,7 +376,7 @@ class MemoryStore:
         group in calls of at most ``gpu.max_batch`` queries, padded to a power of two (a
         graph is captured once per batch size and k: few sizes, few captures)."""
         found: list[tuple[np.ndarray, np.ndarray] | Exception | None] = [None] * len(todo)
-        groups: dict[tuple[int, int, int] | None, list[int]] = {}
+        groups: dict[tuple[int, int, int] | None, list[int]] = {}  # filter -> members
         for j, (_, _, _, filt) in enumerate(todo):
             groups.setdefault(filt, []).append(j)
         for filt, members in groups.items():
@@ -398,6 +398,8 @@ class MemoryStore:
     ) -> None:  # fmt: skip
         """One batched GPU search for ``members`` (one filter, ``rows`` queries in all)."""
         k = max(m[2] for m in members)
+        if k <= 1000:  # k up to a power of ten, as the batch size to one of two: few graphs
+            k = 10 ** math.ceil(math.log10(k))
         if len(members) == 1 or k > 1024 or rows > gpu.max_batch:
             for slot, (_, q, kk, _) in zip(slots, members, strict=True):
                 found[slot] = self._search_alone(q, kk, filt)

@@ -1,0 +1,58 @@
+"""Batched searches on a cuda index, through the GPU search hook, under Triton's interpreter:
+members of one scope filter share one batched kernel call (padded to a power of two, at the
+largest k rounded up), each keeps its own k, and every answer is exact."""
+
+from __future__ import annotations
+
+# isort: off
+from triton_interp import torch  # noqa: F401  (sets TRITON_INTERPRET=1 before triton loads)
+
+# isort: on
+
+import numpy as np
+
+from cuda_reference import make_index
+from kalos.protocol import messages as M
+from kalos.server.gpu_search import GpuSearch
+from kalos.stores.memories import MemoryStore
+from kalos.testing import check_search
+
+DIM = 32
+N = 300
+
+
+def test_a_batch_on_the_gpu_is_each_search_alone() -> None:
+    rng = np.random.default_rng(3)
+    index = make_index("ip", "fp16", DIM, "cpu")
+    gpu = GpuSearch(index)
+    store = MemoryStore(index, gpu=gpu)
+    # fp16 rows: the reference scores the rows as stored
+    vectors = rng.standard_normal((N, DIM)).astype(np.float16).astype(np.float32)
+    ids = np.arange(1, N + 1, dtype=np.int64)
+    tenants = np.where(np.arange(N) % 3 == 0, "b", "a")
+    for t in ("a", "b"):
+        rows = np.flatnonzero(tenants == t)
+        store.add(ids[rows], vectors[rows], np.zeros(len(rows), np.uint8),
+                  np.zeros(len(rows) + 1, np.int64), np.zeros(0, np.uint8),
+                  M.Scope(t, None, None))  # fmt: skip
+    codes = {t: store.scopes.filter(M.Scope(t, None, None)) for t in ("a", "b")}
+    items = {int(i): (v, codes[t]) for i, v, t in zip(ids, vectors, tenants, strict=True)}
+    q = rng.standard_normal((6, DIM)).astype(np.float16).astype(np.float32)
+    members = [
+        (q[0:1], 10, None),
+        (q[1:3], 3, None),  # two queries, another k: one call of 4 (padded) at k 10
+        (q[3:4], 5, M.Scope("a", None, None)),
+        (q[4:5], 1, M.Scope("a", None, None)),
+        (np.ones((1, DIM + 1), np.float32), 5, None),  # a bad member fails alone
+        (q[5:6], 7, M.Scope("b", None, None)),  # alone in its filter: a search of its own
+    ]
+    hits = store.search_many(members)
+    assert isinstance(hits[4], Exception)
+    for i, ((queries, k, scope), hit) in enumerate(zip(members, hits, strict=True)):
+        if i == 4:
+            continue
+        assert not isinstance(hit, Exception), hit
+        filt = store.scopes.filter(scope)
+        check_search(hit, items, queries, k, "ip", filt, rtol=2e-3)
+    # the shapes it used: batches of 4 (3 unscoped queries) and 2 (two scoped), k 10
+    assert {(4, 10, False), (2, 10, True)} <= set(gpu._graphs)
