@@ -5,13 +5,15 @@ largest k rounded up), each keeps its own k, and every answer is exact."""
 from __future__ import annotations
 
 # isort: off
-from triton_interp import torch  # noqa: F401  (sets TRITON_INTERPRET=1 before triton loads)
+from triton_interp import torch  # sets TRITON_INTERPRET=1 before triton loads
 
 # isort: on
 
 import numpy as np
+import pytest
 
 from cuda_reference import make_index
+from kalos.gpu import driver
 from kalos.protocol import messages as M
 from kalos.server.gpu_search import GpuSearch
 from kalos.stores.memories import MemoryStore
@@ -21,7 +23,11 @@ DIM = 32
 N = 300
 
 
-def test_a_batch_on_the_gpu_is_each_search_alone() -> None:
+def test_a_batch_on_the_gpu_is_each_search_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the CPU stands in for the GPU: no context, no page-locking, no stream
+    monkeypatch.setattr(driver, "ensure_context", lambda device: None)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **kw: self)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **kw: None)
     rng = np.random.default_rng(3)
     index = make_index("ip", "fp16", DIM, "cpu")
     gpu = GpuSearch(index)
