@@ -80,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rates", type=float, nargs="*", default=None,
                    help="offered searches/s for every system (default: --fractions of each "
                         "system's closed-loop throughput)")  # fmt: skip
-    p.add_argument("--fractions", type=float, nargs="*", default=[0.25, 0.5, 0.75, 0.9, 1.1])
+    p.add_argument("--fractions", type=float, nargs="*", default=[0.1, 0.25, 0.5, 0.75, 0.9, 1.1])
     p.add_argument("--duration", type=float, default=3.0, help="seconds per rate")
     p.add_argument("--device", default="cpu", help="the sidecar's and torch's device")
     p.add_argument("--index", default=None, help="the sidecar's index spec (default: device's)")
