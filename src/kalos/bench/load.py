@@ -100,13 +100,22 @@ class Reference:
     each query the ids whose score reaches the k-th best less a tolerance: an answer is right
     when it has k distinct ids, all of them in that set (ties at the k-th place either way)."""
 
-    def __init__(self, db: np.ndarray, queries: np.ndarray, ids: np.ndarray, k: int) -> None:
+    def __init__(self, db: np.ndarray, queries: np.ndarray, ids: np.ndarray, k: int,
+                 fp16: bool = False) -> None:  # fmt: skip
+        # fp16: the index stores the rows rounded to fp16 (a cuda index's default); the
+        # reference scores those rows, within fp16's rounding of a score (as search-gpu)
+        if fp16:
+            db = db.astype(np.float16).astype(np.float32)
+        max_norm = float(np.sqrt((db.astype(np.float64) ** 2).sum(axis=1).max())) if fp16 else 0.0
         self.allowed: list[np.ndarray] = []
         for start in range(0, len(queries), 64):
-            scores = queries[start : start + 64] @ db.T  # [b, n]
-            for row in scores:
+            block = queries[start : start + 64]
+            scores = block @ db.T  # [b, n]
+            for q, row in zip(block, scores, strict=True):
                 kth = np.partition(row, len(row) - k)[len(row) - k]
                 tol = 1e-4 * max(1.0, abs(float(kth)))
+                if fp16:
+                    tol = max(tol, 2.0**-10 * float(np.linalg.norm(q)) * max_norm)
                 self.allowed.append(np.sort(ids[row >= kth - tol]))
         self.k = k
 
@@ -516,7 +525,8 @@ def _run(args: argparse.Namespace) -> int:
     queries = np.ascontiguousarray(corpus.queries, np.float32)
     dim = corpus.dim
     ids = np.arange(len(db), dtype=np.int64)
-    ref = Reference(db, queries, ids, args.k)
+    fp16 = args.device != "cpu" and (args.index is None or "fp16" in args.index)
+    ref = Reference(db, queries, ids, args.k, fp16=fp16)
     clients = args.processes * args.threads
     layouts = {  # a parameter set per client layout
         "threads": f"{args.processes} processes x {args.threads} threads",
@@ -566,7 +576,7 @@ def _run(args: argparse.Namespace) -> int:
             "--batch-delay-us",
             str(args.batch_delay_us),
         ]
-        extra += ["--device", args.device, "--no-gpu-doorbell"] if args.device != "cpu" else []
+        extra += ["--device", args.device] if args.device != "cpu" else []
         if args.index:
             extra += ["--index", args.index]
         if any("grpc" in s for s in mine):
