@@ -9,6 +9,13 @@ to a logged write is held back: after each sweep the poller starts one group com
 record of the sweep, keeps serving, and publishes each held response once its record is
 durable (the log's flusher rings the doorbell when a commit lands). Between sweeps it takes a
 snapshot when one is due.
+
+Dynamic batching (``handle_batch``: Dispatcher.handle_batch): the searches and recalls a
+sweep finds waiting on different channels are answered together after it, with one pass
+over the index; each member is checked on its own (its body's size, its deadline) and its
+response written to its own channel. One found alone is served as any other request, so a
+lone caller pays one header read for it. With a batch delay the first member waits up to it
+for more, sweeping the channels. While one batch computes, the next gathers.
 """
 
 from __future__ import annotations
