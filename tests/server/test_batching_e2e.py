@@ -23,6 +23,7 @@ import kalos
 from conftest import TIMEOUT
 from kalos.errors import NotFound
 from kalos.testing import RunningSidecar, check_search
+from server.test_admin import admin_port, sample, scrape
 
 DIM = 16
 N = 400
@@ -110,7 +111,7 @@ def run_threads(client: kalos.Client, items: dict, threads: int, rounds: int) ->
 
 
 def test_mixed_k_and_scopes_in_one_batch_each_exact(sidecar) -> None:  # type: ignore[no-untyped-def]
-    _, client = start(sidecar)
+    sc, client = start(sidecar)
     items = reference_items()
     bad: list[BaseException] = []
 
@@ -128,6 +129,11 @@ def test_mixed_k_and_scopes_in_one_batch_each_exact(sidecar) -> None:  # type: i
     stats = client.stats()
     assert stats["batches"] >= 1 and stats["largest_batch"] >= 2, stats
     assert stats["errors"] == 1
+    m = scrape(admin_port(sc))  # the admin endpoint counts each member's response
+    assert sample(m, "kalos_batches_total") == stats["batches"]
+    assert sample(m, "kalos_batch_largest") == stats["largest_batch"]
+    searches = sample(m, "kalos_responses_total", op="search", transport="shm", status="ok")
+    assert searches == 3 * len(CASES)
 
 
 def test_a_lone_caller_is_not_batched(sidecar) -> None:  # type: ignore[no-untyped-def]
