@@ -163,13 +163,13 @@ def test_recall_kalos_side_without_redis(sidecar):
 
 
 def test_load_bench(tmp_path):
-    torch = pytest.importorskip("torch")
-    assert torch is not None
+    pytest.importorskip("torch")
+    pytest.importorskip("grpc")
     rc, result = _bench(
         tmp_path, "load", "--corpus", "clustered", "--n", "2000", "--dim", "64",
         "--queries", "40", "--processes", "1", "--threads", "2", "--tasks", "3",
         "--duration", "0.3", "--fractions", "0.5", "--systems", "kalos-shm",
-        "kalos-shm-unbatched", "kalos-shm-async", "torch-lock", "torch-batched",
+        "kalos-shm-unbatched", "kalos-shm-async", "kalos-grpc", "torch-lock", "torch-batched",
     )  # fmt: skip
     assert rc == 0
     threads, tasks = result  # one parameter set per client layout
@@ -178,7 +178,7 @@ def test_load_bench(tmp_path):
         assert s["checks"]["wrong_results"] == 0 and s["checks"]["batch64_over_one"] > 0
         assert all({"qps", "p50_us", "p99_us", "p999_us"} <= set(r) for r in s["rows"])
     systems = [(r["system"], r["offered_qps"] is None) for r in threads["rows"]]
-    for system in ("kalos-shm", "kalos-shm-unbatched", "torch-lock", "torch-batched"):
+    for system in ("kalos-shm", "kalos-shm-unbatched", "kalos-grpc", "torch-lock", "torch-batched"):
         assert (system, True) in systems and (system, False) in systems  # closed, then swept
     assert {r["system"] for r in tasks["rows"]} == {"kalos-shm-async"}
     assert threads["checks"]["sidecar_stats"]["unbatched"]["batches"] == 0
