@@ -225,3 +225,47 @@ def test_recalls_in_a_batch() -> None:
         assert a.n_turns == r.n_turns == 1
     s = M.decode_search_response(outs[1], results[1][1])
     check_search((s.scores, s.ids), items, qs[1:2], 4, "ip", None)
+
+
+def test_mutated_members_fail_alone_and_the_good_ones_stay_exact() -> None:
+    """Random mutations of search and recall bodies (bit flips, bytes overwritten, truncated,
+    garbage appended) inside batches of good searches: every mutated member gets a status of
+    the protocol, never an internal error; every good member its exact answer."""
+    store, items = make_store("ip")
+    d = Dispatcher(store, sessions=SessionStore())
+    rng = np.random.default_rng(11)
+    statuses = {int(s) for s in Status}
+    good = members()
+    for round_ in range(150):
+        reqs, wanted = [], []
+        for j in range(rng.integers(2, 7)):
+            q, k, s = good[(round_ + j) % len(good)]
+            body = search_body(q, k, s)
+            if rng.random() < 0.5:  # a mutated one
+                body = body.copy()
+                how = rng.integers(4)
+                if how == 0:
+                    body[rng.integers(len(body))] ^= np.uint8(1 << rng.integers(8))
+                elif how == 1:
+                    at = rng.integers(len(body))
+                    body[at : at + 4] = rng.integers(0, 256, len(body[at : at + 4]), np.uint8)
+                elif how == 2:
+                    body = body[: rng.integers(len(body))]
+                else:
+                    body = np.concatenate([body, rng.integers(0, 256, 9, np.uint8)])
+                op = int(Op.RECALL) if rng.random() < 0.3 else int(Op.SEARCH)
+                reqs.append((op, 0, body, np.zeros(1 << 15, np.uint8)))
+                wanted.append(None)
+            else:
+                reqs.append((int(Op.SEARCH), 0, body, np.zeros(1 << 15, np.uint8)))
+                wanted.append((q, k, s))
+        for (_, _, _, out), want, (status, n, _, _) in zip(
+            reqs, wanted, d.handle_batch(reqs), strict=True
+        ):
+            assert status in statuses
+            assert status != Status.SERVER_ERROR, M.decode_text(out, n)
+            if want is not None:
+                assert status == Status.OK
+                r = M.decode_search_response(out, n)
+                q, k, s = want
+                check_search((r.scores, r.ids), items, q, k, "ip", filter_of(store, s))

@@ -208,13 +208,15 @@ class CpuFlatIndex(RowIndex):
         need = b * n
         if self._batch_scores.shape[0] < need:
             self._batch_scores = np.empty(need, dtype=np.float32)
-        if b <= SMALL_BATCH:
-            by_row = self._batch_scores[:need].reshape(n, b)
-            np.matmul(self._table.vectors, q.T, out=by_row)
-            scores = by_row.T
-        else:
-            scores = self._batch_scores[:need].reshape(b, n)
-            np.matmul(q, self._table.vectors.T, out=scores)
+        # a query of huge (finite) values overflows its own scores only, as it would alone
+        with np.errstate(over="ignore", invalid="ignore"):
+            if b <= SMALL_BATCH:
+                by_row = self._batch_scores[:need].reshape(n, b)
+                np.matmul(self._table.vectors, q.T, out=by_row)
+                scores = by_row.T
+            else:
+                scores = self._batch_scores[:need].reshape(b, n)
+                np.matmul(q, self._table.vectors.T, out=scores)
         if self.metric == "l2":
             scores -= self._half_sqnorms[:n]
         return scores
