@@ -225,3 +225,32 @@ def test_a_cancelled_task_in_a_batch_answers_only_itself(sidecar) -> None:  # ty
             await asyncio.gather(*(caller(t) for t in range(len(CASES))))
 
     asyncio.run(main())
+
+
+def test_batches_beside_logged_writes(sidecar, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """With a data directory: writes held for their group commit, searches batched beside
+    them, every search exact and every write acknowledged."""
+    sc = sidecar(dim=DIM, extra_args=("--batch-delay-us", str(DELAY_US), "--data-dir",
+                                      str(tmp_path / "data")))  # fmt: skip
+    client = sc.connect(timeout=TIMEOUT)
+    fill(client)
+    items = reference_items()
+    writer_errors: list[str] = []
+
+    def writer() -> None:  # adds far from every query's top-k: the reference stays right
+        try:
+            for i in range(20):
+                v = np.zeros((1, DIM), np.float32)
+                v[0, 0] = 1e-6
+                client.add(v, [10_000 + i], scope=kalos.Scope("a"))
+        except Exception as exc:  # reported by the test
+            writer_errors.append(repr(exc))
+
+    w = threading.Thread(target=writer)
+    w.start()
+    # the writer's items score ~0: below the k-th best of every search here, so the
+    # reference without them stays right
+    errors = run_threads(client, items, threads=4, rounds=3)
+    w.join(TIMEOUT)
+    assert writer_errors == [] and errors == [], (writer_errors, errors)
+    assert client.stats()["items"] == N + 20
