@@ -22,6 +22,7 @@ import pytest
 import kalos
 from conftest import TIMEOUT
 from kalos.errors import NotFound
+from kalos.server import Sidecar, SidecarConfig
 from kalos.testing import RunningSidecar, check_search
 from server.test_admin import admin_port, sample, scrape
 
@@ -254,3 +255,58 @@ def test_batches_beside_logged_writes(sidecar, tmp_path) -> None:  # type: ignor
     w.join(TIMEOUT)
     assert writer_errors == [] and errors == [], (writer_errors, errors)
     assert client.stats()["items"] == N + 20
+
+
+@pytest.mark.parametrize("transport", ["uds", "grpc"])
+def test_uds_and_grpc_requests_batch_among_themselves(tmp_path, transport: str) -> None:  # type: ignore[no-untyped-def]
+    """A thread per connection (uds) or grpc handler: requests that wait for the dispatch
+    lock while it is held are answered as one batch by whichever thread takes it next."""
+    if transport == "grpc":
+        pytest.importorskip("grpc")
+    config = SidecarConfig(
+        name="batching", dim=DIM, runtime_dir=str(tmp_path), admin_port=None,
+        grpc=("127.0.0.1:0",) if transport == "grpc" else (),
+    )  # fmt: skip
+    sidecar = Sidecar(config).start()
+    try:
+        target = sidecar.grpc.addresses[0] if sidecar.grpc is not None else "batching"
+        options = {"runtime_dir": str(tmp_path)} if transport == "uds" else {}
+        loader = kalos.connect("batching", runtime_dir=str(tmp_path), timeout=TIMEOUT)
+        fill(loader)
+        items = reference_items()
+        callers = [kalos.connect(target, transport=transport, timeout=TIMEOUT, **options)
+                   for _ in CASES]  # fmt: skip
+        for c in callers:
+            c.ping()
+        combiner = sidecar.combiner
+        assert combiner is not None
+        errors: list[str] = []
+        sidecar.lock.acquire()  # the dispatcher busy: every caller's search waits for it
+        try:
+            workers = [
+                threading.Thread(target=lambda c=c, t=t: errors.extend(run_checked(c, items, t)))
+                for t, c in enumerate(callers)
+            ]
+            for w in workers:
+                w.start()
+            deadline = time.monotonic() + TIMEOUT
+            while len(combiner._waiting) < len(CASES) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        finally:
+            sidecar.lock.release()
+        for w in workers:
+            w.join(TIMEOUT)
+        assert errors == []
+        assert combiner.batches >= 1 and combiner.batched >= len(CASES), vars(combiner)
+        for c in [*callers, loader]:
+            c.close()
+    finally:
+        sidecar.stop()
+
+
+def run_checked(client: kalos.Client, items: dict, case: int) -> list[str]:
+    try:
+        search_and_check(client, items, case, seed=case)
+    except Exception as exc:  # reported by the test
+        return [f"case {case}: {type(exc).__name__}: {exc}"]
+    return []
