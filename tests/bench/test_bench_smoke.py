@@ -182,3 +182,10 @@ def test_load_bench(tmp_path):
         assert (system, True) in systems and (system, False) in systems  # closed, then swept
     assert {r["system"] for r in tasks["rows"]} == {"kalos-shm-async"}
     assert threads["checks"]["sidecar_stats"]["unbatched"]["batches"] == 0
+    # --append: another corpus size's set joins the file (the same one would be replaced)
+    args = ["load", "--corpus", "clustered", "--n", "1000", "--dim", "64", "--queries", "20",
+            "--threads", "1", "--processes", "2", "--duration", "0.2", "--fractions", "0.5",
+            "--systems", "torch-lock", "--append"]  # fmt: skip
+    rc, appended = _bench(tmp_path, *args)
+    assert rc == 0 and [s["params"]["n"] for s in appended] == [2000, 2000, 1000]
+    assert appended[2]["rows"][0]["system"] == "torch-lock"

@@ -38,6 +38,7 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import json
 import multiprocessing as mp
 import os
 import queue
@@ -50,7 +51,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from kalos.bench import corpora
-from kalos.bench.common import load_average, print_table, write_result
+from kalos.bench.common import load_average, machine_name, print_table, write_result
 from kalos.testing import isolated_sidecar
 
 SCENARIO = "load"
@@ -86,6 +87,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--index", default=None, help="the sidecar's index spec (default: device's)")
     p.add_argument("--batch-delay-us", type=float, default=0.0)
     p.add_argument("--redis-server", default=None, help="redis-server binary (default: PATH)")
+    p.add_argument("--append", action="store_true",
+                   help="add this run's sets to the result file already there (a set of the "
+                        "same corpus, size, device and clients is replaced)")  # fmt: skip
     p.add_argument("--seed", type=int, default=corpora.SEED, help="the corpus's seed")
     p.add_argument("--corpus-dir", default=None,
                    help="the corpora's cache (default $KALOS_CORPUS_DIR or "
@@ -525,6 +529,12 @@ def _run(args: argparse.Namespace) -> int:
     queries = np.ascontiguousarray(corpus.queries, np.float32)
     dim = corpus.dim
     ids = np.arange(len(db), dtype=np.int64)
+    previous = None  # the file this run adds its sets to (--append)
+    target_path = os.path.join(args.out, f"{SCENARIO}-{machine_name(args.machine)}.json")
+    if args.append and os.path.exists(target_path):
+        with open(target_path) as f:
+            loaded = json.load(f)
+        previous = loaded if isinstance(loaded, list) else [loaded]
     fp16 = args.device != "cpu" and (args.index is None or "fp16" in args.index)
     ref = Reference(db, queries, ids, args.k, fp16=fp16)
     clients = args.processes * args.threads
@@ -655,20 +665,26 @@ def _run(args: argparse.Namespace) -> int:
     }  # fmt: skip
     path = write_result(SCENARIO, args.machine, {**params, "clients": layouts["threads"]},
                         rows["threads"], args.out, checks=checks)  # fmt: skip
-    # one file, one parameter set per client layout
-    import json
-
+    # one file, one parameter set per client layout (with --append, beside the file's others)
     with open(path) as f:
         first = json.load(f)
-    doc = [first]
+    doc = [first] if rows["threads"] else []
     if rows["asyncio"]:
         second = dict(first, params={**params, "clients": layouts["asyncio"]}, rows=rows["asyncio"])
         doc.append(second)
+    if args.append and previous is not None:
+
+        def key(s: dict[str, Any]) -> tuple[Any, ...]:
+            p = s.get("params", {})
+            return (p.get("corpus"), p.get("n"), p.get("dim"), p.get("device"), p.get("clients"))
+
+        replaced = {key(s) for s in doc}
+        doc = [s for s in previous if key(s) not in replaced] + doc
     with open(path, "w") as f:
         json.dump(doc, f, indent=2)
         f.write("\n")
     print(f"wrote {path}")
-    png = plot_curves(path, rows, layouts, f"load: {corpus.name} {args.n:,} x {dim}, top-{args.k}")
+    png = plot_curves(path, doc)
     if png:
         print(f"wrote {png}")
     return 1 if checks["wrong_results"] else 0
@@ -692,9 +708,8 @@ def saturation_summary(rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return out
 
 
-def plot_curves(path: str, rows: dict[str, list[dict[str, Any]]], layouts: dict[str, str],
-                title: str) -> str | None:  # fmt: skip
-    """p50, p99 and p99.9 against achieved searches/s, a panel per client layout."""
+def plot_curves(path: str, sets: list[dict[str, Any]]) -> str | None:
+    """p50, p99 and p99.9 against achieved searches/s, a panel per parameter set."""
     try:
         import matplotlib
 
@@ -703,14 +718,13 @@ def plot_curves(path: str, rows: dict[str, list[dict[str, Any]]], layouts: dict[
 
         from kalos.bench.plots import png_path
 
-        panels = [name for name in layouts if rows[name]]
-        fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5), squeeze=False)
-        for ax, layout in zip(axes[0], panels, strict=True):
-            systems = sorted({r["system"] for r in rows[layout] if "qps" in r})
-            for color, system in zip(
-                plt.rcParams["axes.prop_cycle"].by_key()["color"] * 3, systems, strict=False
-            ):
-                swept = [r for r in rows[layout] if r["system"] == system and "qps" in r]
+        fig, axes = plt.subplots(1, len(sets), figsize=(7 * len(sets), 5), squeeze=False)
+        colors = plt.rcParams["axes.prop_cycle"].by_key()["color"] * 3
+        for ax, one in zip(axes[0], sets, strict=True):
+            rows = one["rows"]
+            systems = sorted({r["system"] for r in rows if "qps" in r})
+            for color, system in zip(colors, systems, strict=False):
+                swept = [r for r in rows if r["system"] == system and "qps" in r]
                 mine = sorted(
                     (r for r in swept if r.get("offered_qps") is not None), key=lambda r: r["qps"]
                 )
@@ -720,13 +734,16 @@ def plot_curves(path: str, rows: dict[str, list[dict[str, Any]]], layouts: dict[
                 for key, style in (("p50_us", "-"), ("p99_us", "--"), ("p999_us", ":")):
                     ax.plot(x, [r[key] for r in mine], style, color=color, marker=".",
                             label=f"{system} {key[:-3]}")  # fmt: skip
+            p = one["params"]
             ax.set_xscale("log")
             ax.set_yscale("log")
             ax.set_xlabel("achieved searches/s")
             ax.set_ylabel("latency, µs (from the scheduled arrival)")
-            ax.set_title(layouts[layout], fontsize=9)
+            ax.set_title(f"{p['corpus']} {p['n']:,} x {p['dim']}, {p['device']}: {p['clients']}",
+                         fontsize=9)  # fmt: skip
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=6, ncol=2)
+        title = f"load: exact top-{sets[0]['params']['k']}" if sets else "load"
         fig.suptitle(title)
         fig.tight_layout()
         out = png_path(path)
