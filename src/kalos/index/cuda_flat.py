@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -582,6 +582,13 @@ class CudaFlatIndex:
             return scores.cpu().numpy(), ids.cpu().numpy()
         finally:
             self._scopes = table
+
+    def search_many(
+        self, members: Sequence[tuple[Any, int, tuple[int, int, int] | None]]
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Several searches, each ``(queries, k, scope)``: one :meth:`search` each (a cuda
+        sidecar batches through its GPU search hook, kalos.server.gpu_search, instead)."""
+        return [self.search(q, k, scope=scope) for q, k, scope in members]
 
     # ------------------------------------------------------------------------------ device path
 
