@@ -122,11 +122,29 @@ def test_mixed_k_and_scopes_in_one_batch_each_exact(sidecar) -> None:  # type: i
         except NotFound as exc:
             bad.append(exc)
 
+    # a recall of a session of tenant "a": its search joins the batch, filtered by the tenant
+    client.append_turn("s1", "user", "hello", [1, 2, 3], scope=kalos.Scope("a"))
+    recalled: list[str] = []
+
+    def good_recall() -> None:
+        try:
+            q = np.random.default_rng(99).standard_normal(DIM).astype(np.float32)
+            r = client.recall("s1", q, k=6, max_tokens=50, scope=kalos.Scope("a"), copy=True)
+            check_search((r.scores[None], r.ids[None]), items, q[None], 6, "ip", (1, 0, 0))
+            assert r.token_ids.tolist() == [1, 2, 3]  # the memories have no token ids
+            recalled.append("ok")
+        except Exception as exc:  # reported by the test
+            recalled.append(f"{type(exc).__name__}: {exc}")
+
     spoiler = threading.Thread(target=bad_member)
+    recaller = threading.Thread(target=good_recall)
     spoiler.start()
+    recaller.start()
     assert run_threads(client, items, threads=len(CASES), rounds=3) == []
     spoiler.join(TIMEOUT)
+    recaller.join(TIMEOUT)
     assert len(bad) == 1
+    assert recalled == ["ok"]
     stats = client.stats()
     assert stats["batches"] >= 1 and stats["largest_batch"] >= 2, stats
     assert stats["errors"] == 1

@@ -34,7 +34,8 @@ class SidecarConfig:
     # Dynamic batching (kalos.server.channels): searches and recalls waiting on different
     # shm channels are answered with one pass over the index, at most batch_max of them;
     # the first waits up to batch_delay_us for more (0: batch only what is already waiting,
-    # so a lone caller never waits). batch_max 1 turns batching off.
+    # so a lone caller never waits). uds and grpc requests batch among themselves
+    # (kalos.server.combiner, no delay). batch_max 1 turns batching off.
     batch_delay_us: float = 0.0
     batch_max: int = 64
     heartbeat_ms: float = 100.0  # parked sidecars still beat this often (≈0.1% of a core)
