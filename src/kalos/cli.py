@@ -27,6 +27,8 @@ def _serve(args: argparse.Namespace) -> int:
         runtime_dir=args.runtime_dir,
         spin_us=args.spin_us,
         compute_threads=args.compute_threads,
+        batch_delay_us=args.batch_delay_us,
+        batch_max=args.batch_max,
         max_channels=args.max_channels,
         allowed_uids=tuple(args.allow_uid),
         allowed_gid=args.allow_gid,
@@ -160,6 +162,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--compute-threads", type=int, default=1, help="BLAS/OpenMP threads for CPU search"
+    )
+    serve.add_argument(
+        "--batch-delay-us",
+        type=float,
+        default=0.0,
+        help="µs the first of a batch of searches may wait for more (default 0: batch only "
+        "the searches already waiting on other channels; a lone caller never waits)",
+    )
+    serve.add_argument(
+        "--batch-max",
+        type=int,
+        default=64,
+        help="most searches and recalls answered in one pass over the index (1: no batching)",
     )
     serve.add_argument(
         "--reserve", type=int, default=0, help="rows to allocate up front (GPU: keeps graphs)"

@@ -171,3 +171,32 @@ def test_search_filtered_bench(tmp_path):
     rows = {r["share"]: r for r in result["rows"]}
     assert rows[1.0]["matched"] == 3000 and rows[0.01]["matched"] == 30
     assert rows[1.0]["over_unfiltered_p50"] == 1.0
+
+
+def test_load_bench(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("grpc")
+    rc, result = _bench(
+        tmp_path, "load", "--corpus", "clustered", "--n", "2000", "--dim", "64",
+        "--queries", "40", "--processes", "1", "--threads", "2", "--tasks", "3",
+        "--duration", "0.3", "--fractions", "0.5", "--systems", "kalos-shm",
+        "kalos-shm-unbatched", "kalos-shm-async", "kalos-grpc", "torch-lock", "torch-batched",
+    )  # fmt: skip
+    assert rc == 0
+    threads, tasks = result  # one parameter set per client layout
+    for s in result:
+        assert s["params"]["corpus"] == "clustered" and s["params"]["clients"]
+        assert s["checks"]["wrong_results"] == 0 and s["checks"]["batch64_over_one"] > 0
+        assert all({"qps", "p50_us", "p99_us", "p999_us"} <= set(r) for r in s["rows"])
+    systems = [(r["system"], r["offered_qps"] is None) for r in threads["rows"]]
+    for system in ("kalos-shm", "kalos-shm-unbatched", "kalos-grpc", "torch-lock", "torch-batched"):
+        assert (system, True) in systems and (system, False) in systems  # closed, then swept
+    assert {r["system"] for r in tasks["rows"]} == {"kalos-shm-async"}
+    assert threads["checks"]["sidecar_stats"]["unbatched"]["batches"] == 0
+    # --append: another corpus size's set joins the file (the same one would be replaced)
+    args = ["load", "--corpus", "clustered", "--n", "1000", "--dim", "64", "--queries", "20",
+            "--threads", "1", "--processes", "2", "--duration", "0.2", "--fractions", "0.5",
+            "--systems", "torch-lock", "--append"]  # fmt: skip
+    rc, appended = _bench(tmp_path, *args)
+    assert rc == 0 and [s["params"]["n"] for s in appended] == [2000, 2000, 1000]
+    assert appended[2]["rows"][0]["system"] == "torch-lock"

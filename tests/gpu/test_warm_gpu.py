@@ -74,3 +74,34 @@ def test_first_searches_are_warm_and_a_restart_is_faster(tmp_path):
     assert warm_s < cold_s
     slow = [(shape, round(s, 3)) for shape, s in firsts2 if s >= FIRST_SEARCH_S]
     assert not slow, f"first searches that waited: {slow}"
+
+
+@pytest.mark.parametrize("dim", [384, 128], ids=["4bit-cascade", "int8-prefilter"])
+def test_the_warm_up_compiles_every_variant_in_parallel_first(tmp_path, monkeypatch, dim):
+    """On an empty kernel cache the warm-up's variants compile in worker processes; the
+    warm-up that follows then compiles nothing more (no new cache entry)."""
+    from kalos.index.cuda_flat import CudaFlatIndex
+    from kalos.index.kernels import precompile
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    entries: list[int] = []
+    compile_all = precompile.compile_all
+
+    def counted(*args, **kwargs):
+        done = compile_all(*args, **kwargs)
+        entries.append(len(os.listdir(tmp_path)))
+        return done
+
+    monkeypatch.setattr(precompile, "compile_all", counted)
+    index = CudaFlatIndex.from_spec("cuda:flat", dim=dim, metric="cosine")
+    rng = np.random.default_rng(2)
+    index.add(rng.standard_normal((5000, dim)).astype(np.float32), np.arange(5000) + 1)
+    t0 = time.perf_counter()
+    launches = index.warm()
+    seconds = time.perf_counter() - t0
+    done = index.precompiled
+    print(f"dim {dim}: warm-up {seconds:.1f} s, {launches} launches, precompile {done}")
+    assert done is not None and done["failures"] == []
+    assert done["compiled"] == done["variants"] > 50
+    assert done["unforeseen"] == 0, "variants the dry run did not foresee"
+    assert entries and len(os.listdir(tmp_path)) == entries[0], "the warm-up compiled more"

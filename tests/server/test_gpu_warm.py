@@ -20,7 +20,9 @@ from triton_interp import torch, triton
 # isort: on
 
 import inspect
+import pickle
 import sys
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -35,6 +37,7 @@ except ImportError:  # pragma: no cover - an older Triton
 from cuda_reference import make_index
 from kalos.gpu import driver
 from kalos.index.cuda_flat import _MAX_K
+from kalos.index.kernels import precompile
 from kalos.protocol import layout as L
 from kalos.protocol import messages as M
 from kalos.server.channels import ServerChannel
@@ -230,3 +233,68 @@ def test_odd_capacities_are_rounded_to_a_multiple_of_16():
     assert index.capacity == 5008
     index.add(np.zeros((5009, 64), np.float32), np.arange(5009, dtype=np.int64) + 1)
     assert index.capacity % 16 == 0 and index.capacity >= 5009
+
+
+def test_the_dry_warm_up_notes_every_variant_of_the_warm_up_and_runs_none(gpu, registry):
+    index = gpu.index
+    grow(index, 300, np.random.default_rng(3))
+    with precompile.recording() as noted:
+        dry = index._warm_launches(publish=True, gated=True, stop=None, dry=True)
+    assert registry.launches == 0 and len(noted) >= dry > 100  # noted, none launched
+    launches = [(rec.kernel, args, kwargs) for rec, args, kwargs in noted]
+    for kernel, args, kwargs in launches:
+        registry.record(kernel, args, kwargs)
+    planned = set(registry.variants)
+    # the portable variants are the JIT's: none merged, none split
+    found = precompile.variants(launches)
+    assert len(found) == len(planned)
+    assert pickle.loads(pickle.dumps(found)) == found  # what a worker process is handed
+    registry.variants.clear()
+    index.warm()  # the real warm-up (no precompile off a GPU) launches nothing unplanned
+    assert registry.variants and registry.variants <= planned
+
+
+def test_a_failing_precompile_worker_is_reported_and_a_stop_ends_them():
+    found = [("kalos.index.kernels.scan_topk", "_scan_topk_kernel", (), {})]
+    # no CUDA here: the worker fails at its device, which the warm-up only reports
+    done = precompile.compile_all(found * 2, device=0, workers=2)
+    assert done["variants"] == 2 and done["compiled"] == 0 and done["workers"] == 2
+    assert len(done["failures"]) == 2 and "worker exited" in done["failures"][0]
+    with pytest.raises(InterruptedError):
+        precompile.compile_all(found, device=0, workers=1, stop=lambda: True)
+
+
+def test_launch_runs_the_kernel_unless_this_thread_records():
+    ran = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: ran.append((grid, args, kwargs))
+
+    precompile.launch(Kernel(), (3,), 1, X=2)
+    assert ran == [((3,), (1,), {"X": 2})]
+    with precompile.recording() as noted:
+        precompile.launch(Kernel(), (4,), 5)
+        other = []
+        t = threading.Thread(target=lambda: other.append(precompile.launch(Kernel(), (6,))))
+        t.start()
+        t.join()
+    assert len(ran) == 2 and ran[1][0] == (6,)  # another thread's launch ran
+    assert len(noted) == 1 and noted[0][1] == (5,)
+    precompile.launch(Kernel(), (7,))
+    assert len(ran) == 3  # recording ended
+
+
+def test_compiles_notes_each_variant_the_jit_takes_and_keeps_a_hook_already_set():
+    from triton import knobs
+
+    seen = []
+    knobs.runtime.jit_cache_hook = lambda **kw: seen.append(kw["key"])
+    try:
+        with precompile.compiles() as noted:
+            knobs.runtime.jit_cache_hook(key="k1", repr="kernel[num_warps=4](...)", fn=None)
+        assert noted == [("k1", "kernel[num_warps=4](...)")] and seen == ["k1"]
+        assert knobs.runtime.jit_cache_hook(key="k2", repr="", fn=None) is None  # restored
+        assert seen == ["k1", "k2"] and len(noted) == 1
+    finally:
+        knobs.runtime.jit_cache_hook = None

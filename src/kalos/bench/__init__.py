@@ -15,6 +15,7 @@ def add_bench_parsers(parser: argparse.ArgumentParser) -> None:
     from kalos.bench import (
         async_client,
         context,
+        load,
         recall,
         recovery,
         search_cpu,
@@ -30,6 +31,7 @@ def add_bench_parsers(parser: argparse.ArgumentParser) -> None:
         search_cpu,
         search_gpu,
         search_filtered,
+        load,
         context,
         recall,
         writes,

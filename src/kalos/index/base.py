@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Sequence
 from typing import ClassVar, Protocol, runtime_checkable
 
 import numpy as np
@@ -83,6 +84,14 @@ class Index(Protocol):
         ``allow``: ids [m] int64, the only ones that may be returned (None: any).
         The returned arrays are new and owned by the caller.
         """
+        ...
+
+    def search_many(
+        self, members: Sequence[tuple[object, int, ScopeFilter | None]]
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Several searches at once, each ``(queries, k, scope)`` as ``search`` takes them:
+        each one's ``(scores, ids)``, exactly what ``search`` would return for it alone. A
+        backend may share one pass over its rows among them (the sidecar's batching)."""
         ...
 
     def remove(self, ids: object) -> int:
@@ -388,13 +397,28 @@ class RowIndex(abc.ABC):
         scope: ScopeFilter | None = None,
         allow: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
+        q, k, mask, matched = self._checked(queries, k, scope, allow)
+        if matched == 0:
+            return self._no_results(q.shape[0], k)
+        return self._search_rows(q, k, mask, matched)
+
+    def _checked(
+        self,
+        queries: object,
+        k: int,
+        scope: ScopeFilter | None,
+        allow: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, int, np.ndarray | None, int]:
+        """A search's arguments checked: (queries [nq, dim] float32, normalised for cosine;
+        k; the mask [n] bool of the rows the scope filter and ``allow`` matched, None for
+        every row; how many rows it matched)."""
         q = check_queries(queries, self.dim)  # [nq, dim] float32
         k = check_k(k)
         filt = check_scope_filter(scope)
         if self.metric == "cosine":
             q = normalise_rows(q, "queries")
         n = len(self._table)
-        mask: np.ndarray | None = None  # [n] bool, the rows a scope filter matched
+        mask: np.ndarray | None = None  # [n] bool, the rows the filters matched
         matched = n
         if n and filt is not None:
             mask = scope_mask(self._table.scope_columns, filt)
@@ -403,9 +427,16 @@ class RowIndex(abc.ABC):
             allowed = allow_mask(self._table, check_ids(allow))
             mask = allowed if mask is None else np.logical_and(mask, allowed, out=mask)
             matched = int(np.count_nonzero(mask))
-        if matched == 0:
-            return self._no_results(q.shape[0], k)
-        return self._search_rows(q, k, mask if matched < n else None, matched)
+        return q, k, mask if matched < n else None, matched
+
+    def search_many(
+        self, members: Sequence[tuple[object, int, ScopeFilter | None]]
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Several searches at once, each ``(queries, k, scope)`` as :meth:`search` takes
+        them; returns each one's ``(scores, ids)``, exactly what :meth:`search` would. A
+        backend that can share one pass over its rows among them overrides this (the
+        sidecar's dynamic batching); this one runs them one after another."""
+        return [self.search(q, k, scope=scope) for q, k, scope in members]
 
     @abc.abstractmethod
     def _search_rows(

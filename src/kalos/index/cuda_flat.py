@@ -35,15 +35,18 @@ workspace); each :class:`SearchGraph` owns its own.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
 from kalos.errors import ConfigError, InvalidRequest, NotFound
+
+log = logging.getLogger("kalos.index")
 
 _METRICS = {"ip": 0, "cosine": 1, "l2": 2}
 _DTYPES = ("fp16", "bf16", "fp32")
@@ -164,6 +167,8 @@ class CudaFlatIndex:
         # searches that took the prefilter, and those of them that replayed the full scan
         self.prefilter_searches = 0
         self.prefilter_fallbacks = 0
+        # what the last warm-up's parallel compile did (kernels.precompile.compile_all)
+        self.precompiled: dict[str, Any] | None = None
         self._torch = torch
         self._k = kernels
         self._metric_code = _METRICS[metric]
@@ -578,6 +583,13 @@ class CudaFlatIndex:
         finally:
             self._scopes = table
 
+    def search_many(
+        self, members: Sequence[tuple[Any, int, tuple[int, int, int] | None]]
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Several searches, each ``(queries, k, scope)``: one :meth:`search` each (a cuda
+        sidecar batches through its GPU search hook, kalos.server.gpu_search, instead)."""
+        return [self.search(q, k, scope=scope) for q, k, scope in members]
+
     # ------------------------------------------------------------------------------ device path
 
     def search_device(self, q: Any, k: int, *, scope: Any = None, out: Any = None) -> Any:
@@ -917,6 +929,7 @@ class CudaFlatIndex:
         publish: bool = True,
         gated: bool = True,
         stop: Callable[[], bool] | None = None,
+        precompile: bool | None = None,
     ) -> int:
         """Compiles (or loads from Triton's disk cache) every kernel variant that a search on
         this index can launch from now on, whatever it grows to, so that none waits for a
@@ -928,8 +941,41 @@ class CudaFlatIndex:
         candidates' chunk and list widths follow it). The launches run on a scratch index of
         the same dim, dtype, metric and launch settings: the live rows are not touched.
         ``stop``: polled between launches; when it turns true, raises InterruptedError.
+        ``precompile`` (default: on a GPU): first a dry run of the same launches, whose
+        variants worker processes compile in parallel into the disk cache
+        (:mod:`kalos.index.kernels.precompile`); what they did is ``self.precompiled``, with
+        ``unforeseen``: the variants the real launches took that the workers did not compile.
         Returns the number of launches (seconds on the H200 from a warm disk cache; a cold
         one compiles each variant once)."""
+        if self._on_gpu if precompile is None else precompile:
+            from kalos.index.kernels import precompile as pre
+
+            with pre.recording() as noted:
+                self._warm_launches(publish, gated, stop, dry=True)
+            found = pre.variants(noted)
+            device = self.device.index if self.device.index is not None else 0
+            done = pre.compile_all(
+                found, device=device, workers=pre.workers_for(len(found)), stop=stop
+            )
+            ahead = set(done.pop("keys"))
+            with pre.compiles() as taken:
+                launches = self._warm_launches(publish, gated, stop, dry=False)
+            unforeseen = sorted({name for key, name in taken if key not in ahead})
+            done["unforeseen"] = len(unforeseen)
+            if unforeseen:
+                log.warning(
+                    "kernel warm-up: %d variants the precompile did not foresee compiled one "
+                    "at a time, e.g. %s", len(unforeseen), unforeseen[0],
+                )  # fmt: skip
+            self.precompiled = done
+            return launches
+        return self._warm_launches(publish, gated, stop, dry=False)
+
+    def _warm_launches(
+        self, publish: bool, gated: bool, stop: Callable[[], bool] | None, dry: bool
+    ) -> int:
+        """:meth:`warm`'s launches; ``dry``: while a recording notes them, without the graph
+        that ends a real warm-up (its launches are those of the searches before it)."""
         torch = self._torch
         kern = self._k
         dev = self.device
@@ -1069,7 +1115,7 @@ class CudaFlatIndex:
                             run(nq, k, scoped, ws_nq=batch)
             # the host path's own work (validation, copies) and one captured graph
             scratch.search(queries[:1].cpu().numpy(), 10)
-            if on_gpu:
+            if on_gpu and not dry:
                 graph = scratch.graph(1, 10, prefilter=True)
                 graph.replay_and_wait(torch.cuda.current_stream(dev))
                 torch.cuda.current_stream(dev).synchronize()

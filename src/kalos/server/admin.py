@@ -161,6 +161,7 @@ class SidecarCollector:
         yield from self._store_families()
         yield from self._durability_families()
         yield from self._gpu_families()
+        yield from self._batch_families()
 
     def _store_families(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -269,6 +270,24 @@ class SidecarCollector:
                 "Log records replayed at the last start",
                 value=recovery.get("records_replayed", 0),
             )
+
+    def _batch_families(self) -> Iterator[Any]:
+        """Dynamic batching (kalos.server.channels): batches of two or more, what they held."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        poller = self._sidecar.poller
+        yield CounterMetricFamily(
+            "kalos_batches", "Batches of two or more searches or recalls answered together",
+            value=poller.batches,
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            "kalos_batched_requests", "Searches and recalls answered in those batches",
+            value=poller.batched,
+        )  # fmt: skip
+        yield GaugeMetricFamily(
+            "kalos_batch_largest", "The most requests answered in one batch since the start",
+            value=poller.largest_batch,
+        )  # fmt: skip
 
     def _gpu_families(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily

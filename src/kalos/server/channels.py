@@ -9,11 +9,19 @@ to a logged write is held back: after each sweep the poller starts one group com
 record of the sweep, keeps serving, and publishes each held response once its record is
 durable (the log's flusher rings the doorbell when a commit lands). Between sweeps it takes a
 snapshot when one is due.
+
+Dynamic batching (``handle_batch``: Dispatcher.handle_batch): the searches and recalls a
+sweep finds waiting on different channels are answered together after it, with one pass
+over the index; each member is checked on its own (its body's size, its deadline) and its
+response written to its own channel. One found alone is served as any other request, so a
+lone caller pays one header read for it. With a batch delay the first member waits up to it
+for more, sweeping the channels. While one batch computes, the next gathers.
 """
 
 from __future__ import annotations
 
 import logging
+import struct
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -22,7 +30,7 @@ from kalos import _native
 from kalos.protocol import layout as L
 from kalos.protocol.codes import Op, Status
 from kalos.protocol.messages import encode_text
-from kalos.server.dispatch import GPU_OPS
+from kalos.server.dispatch import GPU_OPS, batchable
 from kalos.shm.memory import SharedMemory, create
 
 if TYPE_CHECKING:
@@ -40,6 +48,8 @@ _publish = _native.publish
 _unpack_request = L.REQ_FIELDS.unpack_from
 _pack_response = L.RESP_FIELDS.pack_into
 _REQ_OP = L.REQ_OP
+_unpack_op_flags = struct.Struct("<II").unpack_from  # REQ_FIELDS' first two: op, flags
+_batchable = batchable
 _RESP_STATUS = L.RESP_STATUS
 
 
@@ -102,9 +112,22 @@ class Poller:
         spin_us: float,
         heartbeat_ms: float,
         journal: Durability | None = None,
+        handle_batch=None,
+        batch_delay_us: float = 0.0,
+        batch_max: int = 64,
     ) -> None:
         self._ctrl = control
         self._handle = handle  # Dispatcher.handle, or Durability.handle
+        # Dynamic batching (the module docstring): Dispatcher.handle_batch, or None for none;
+        # how long the first search of a batch may wait for more (0: only those waiting);
+        # the most requests in one batch.
+        self._handle_batch = handle_batch
+        self._batch_delay_ns = int(batch_delay_us * 1000)
+        self._batch_max = max(1, batch_max)
+        self._batch: list[tuple[ServerChannel, int]] = []  # reused by every sweep
+        self.batches = 0  # batches of two or more served
+        self.batched = 0  # requests served in them
+        self.largest_batch = 0
         self._lock = lock
         self._journal = journal
         # Responses to logged writes awaiting their commit, in LSN order:
@@ -152,13 +175,19 @@ class Poller:
         last_work = _monotonic_ns()
         next_beat = 0
         beats = 0
+        batch = self._batch if self._handle_batch is not None else None
         while not self.stopping:
             worked = False
             for ch in self.channels:
                 seq = _load(ch.req_seq)
                 if seq != ch.last_seq:
-                    self.serve(ch, seq)
+                    if batch is not None and _batchable(*_unpack_op_flags(ch.buf, _REQ_OP)):
+                        batch.append((ch, seq))  # served after the sweep, with the others
+                    else:
+                        self.serve(ch, seq)
                     worked = True
+            if batch:
+                self._serve_batch(batch)
             if self._held:
                 self._release()
             door = self.doorbell
@@ -271,18 +300,12 @@ class Poller:
             pinned = ch.pinned
             door = self.doorbell
             lock = self._lock  # acquire/release: ~0.08 µs less than a with block
-            if door is not None and (door.armed is not None or door.claims):
-                lock.acquire()
-                try:
-                    answered = door.answer(pinned, seq, op in GPU_OPS)
-                    missed, door.unbooked = door.unbooked, []
-                finally:
-                    lock.release()
-                for _ in missed:  # answered by the GPU before this poller saw them
-                    self._answered(ch, 0, Op.SEARCH, 0)  # the GPU takes only searches
-                if answered:  # the GPU took the request and published the response
-                    self._answered(ch, seq, op, publish_ns)
-                    return
+            if (
+                door is not None
+                and (door.armed is not None or door.claims)
+                and self._door_took(door, ch, seq, op, publish_ns)
+            ):
+                return
             if pinned is not None:  # a cuda sidecar: its GPU may publish a search's response
                 # (with a doorbell: the request, its template should the GPU take the next)
                 body = ch.req_arena[:body_len] if door is not None else None
@@ -324,6 +347,124 @@ class Poller:
         ch.last_seq = seq
         _publish(ch.resp_seq, seq, ch.client_parked, ch.client_bell)
         ch.requests += 1  # after the publish, as the metrics: the client does not wait for it
+        metrics = self.metrics
+        if metrics is not None:  # after the publish: the client is not kept waiting for it
+            metrics.record(op, status, queue_ns, compute_ns, write_ns)
+
+    def _door_took(
+        self, door: Doorbell, ch: ServerChannel, seq: int, op: int, publish_ns: int
+    ) -> bool:
+        """Whether the GPU took request ``seq`` on ``ch`` itself (server.doorbell) and
+        published its response; keeps the books of it, and of those the GPU answered before
+        this poller saw them. False: the poller serves it."""
+        lock = self._lock
+        lock.acquire()
+        try:
+            answered = door.answer(ch.pinned, seq, op in GPU_OPS)
+            missed, door.unbooked = door.unbooked, []
+        finally:
+            lock.release()
+        for _ in missed:  # answered by the GPU before this poller saw them
+            self._answered(ch, 0, Op.SEARCH, 0)  # the GPU takes only searches
+        if answered:  # the GPU took the request and published the response
+            self._answered(ch, seq, op, publish_ns)
+        return answered
+
+    def _serve_batch(self, batch: list[tuple[ServerChannel, int]]) -> None:
+        """Answers the searches and recalls of one sweep (``batch``: channel and sequence,
+        emptied here) with one pass over the index (Dispatcher.handle_batch); with a batch
+        delay, first waits up to it for more. A lone request goes the way of any other
+        (:meth:`serve`): batching never adds work to one caller's search. Each member is
+        checked on its own (its body's size, its deadline), and answered on its own channel."""
+        try:
+            if self._batch_delay_ns:
+                self._gather(batch)
+            for start in range(0, len(batch), self._batch_max):
+                part = batch[start : start + self._batch_max]
+                if len(part) == 1:
+                    self.serve(*part[0])
+                else:
+                    self._serve_together(part)
+        finally:
+            batch.clear()
+
+    def _gather(self, batch: list[tuple[ServerChannel, int]]) -> None:
+        """Waits up to the batch delay from now for more batchable requests (or until the
+        batch is full), sweeping the channels; the others wait for the next sweep."""
+        deadline = _monotonic_ns() + self._batch_delay_ns
+        taken = {id(ch) for ch, _ in batch}
+        while len(batch) < self._batch_max and not self.stopping:
+            for ch in self.channels:
+                if id(ch) in taken:
+                    continue
+                seq = _load(ch.req_seq)
+                if seq != ch.last_seq and _batchable(*_unpack_op_flags(ch.buf, _REQ_OP)):
+                    batch.append((ch, seq))
+                    taken.add(id(ch))
+            if _monotonic_ns() >= deadline:
+                break
+
+    def _serve_together(self, part: list[tuple[ServerChannel, int]]) -> None:
+        picked = _monotonic_ns()
+        door = self.doorbell
+        members: list[tuple[int, int, Any, Any]] = []
+        served: list[tuple[ServerChannel, int, int, int]] = []  # channel, seq, op, queue ns
+        for ch, seq in part:
+            op, flags, body_len, publish_ns, deadline_ns = _unpack_request(ch.buf, _REQ_OP)
+            queue_ns = picked - publish_ns if 0 < publish_ns <= picked else 0
+            if body_len > ch.arena_bytes:
+                if self.metrics is not None:
+                    self.metrics.oversized += 1
+                text = f"request body of {body_len} bytes exceeds the arena"
+                n = encode_text(ch.resp_arena, text)
+                self._reply(ch, seq, op, Status.PAYLOAD_TOO_LARGE, n, queue_ns, 0, 0)
+                continue
+            if deadline_ns and picked > deadline_ns:
+                text = "the request's deadline passed before it was served"
+                n = encode_text(ch.resp_arena, text)
+                self._reply(ch, seq, op, Status.TIMEOUT, n, queue_ns, 0, 0)
+                continue
+            if (
+                door is not None
+                and (door.armed is not None or door.claims)
+                and self._door_took(door, ch, seq, op, publish_ns)
+            ):
+                continue
+            body = ch.req_arena[:body_len]
+            if ch.pinned is not None:  # the GPU does not publish a batch member's response
+                ch.pinned.arm(seq, queue_ns, picked, op, flags, body if door else None)
+            members.append((op, flags, body, ch.resp_arena))
+            served.append((ch, seq, op, queue_ns))
+        if not members:
+            return
+        lock = self._lock
+        lock.acquire()
+        try:
+            try:
+                results = self._handle_batch(members)
+            except Exception:  # a bug in the batch path: each alone, so it fails only itself
+                log.exception("a batch of %d failed; serving each alone", len(members))
+                results = [self._handle(*m) for m in members]
+        finally:
+            lock.release()
+        self.batches += 1
+        self.batched += len(members)
+        if len(members) > self.largest_batch:
+            self.largest_batch = len(members)
+        for (ch, seq, op, queue_ns), (status, n, compute_ns, write_ns) in zip(
+            served, results, strict=True
+        ):
+            self._reply(ch, seq, op, status, n, queue_ns, compute_ns, write_ns)
+
+    def _reply(
+        self, ch: ServerChannel, seq: int, op: int, status: int, n: int, queue_ns: int,
+        compute_ns: int, write_ns: int,
+    ) -> None:  # fmt: skip
+        """Writes a response header and publishes request ``seq``'s response on ``ch``."""
+        _pack_response(ch.buf, _RESP_STATUS, status, 0, n, queue_ns, compute_ns, write_ns)
+        ch.last_seq = seq
+        _publish(ch.resp_seq, seq, ch.client_parked, ch.client_bell)
+        ch.requests += 1
         metrics = self.metrics
         if metrics is not None:  # after the publish: the client is not kept waiting for it
             metrics.record(op, status, queue_ns, compute_ns, write_ns)

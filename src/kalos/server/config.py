@@ -31,6 +31,12 @@ class SidecarConfig:
     # cores (measured on the 2-core machine: 100K x 128 search p50 12.4 ms with OpenBLAS's 2
     # threads under load vs 3.3 ms with 1).
     compute_threads: int = 1
+    # Dynamic batching (kalos.server.channels): searches and recalls waiting on different
+    # shm channels are answered with one pass over the index, at most batch_max of them;
+    # the first waits up to batch_delay_us for more (0: batch only what is already waiting,
+    # so a lone caller never waits). batch_max 1 turns batching off.
+    batch_delay_us: float = 0.0
+    batch_max: int = 64
     heartbeat_ms: float = 100.0  # parked sidecars still beat this often (≈0.1% of a core)
     allowed_uids: tuple[int, ...] = ()  # besides the sidecar's own uid
     allowed_gid: int | None = None
@@ -84,6 +90,8 @@ class SidecarConfig:
             raise ConfigError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if self.compute_threads < 1:
             raise ConfigError("compute_threads must be at least 1")
+        if self.batch_max < 1 or not 0 <= self.batch_delay_us <= 1e6:
+            raise ConfigError("batch_max must be at least 1 and batch_delay_us 0..1e6")
         if self.max_channels < 1:
             raise ConfigError("max_channels must be at least 1")
         if not L.MIN_ARENA_BYTES <= self.max_arena_bytes <= L.MAX_ARENA_BYTES:

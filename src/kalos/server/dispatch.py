@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,7 +30,7 @@ from kalos.protocol import codes
 from kalos.protocol import messages as M
 from kalos.protocol.codes import Op, Status
 from kalos.stores.memories import MemoryStore
-from kalos.stores.recall import recall
+from kalos.stores.recall import RecallPlan, recall, recall_finish, recall_start
 from kalos.stores.sessions import SessionStore
 from kalos.stores.state import StateStore
 
@@ -74,6 +74,10 @@ _SET_ROLLING = int(codes.AppendFlag.SET_ROLLING)
 _ROLLING = int(codes.AppendFlag.ROLLING)
 _TURNS = int(codes.ContextFlag.TURNS)
 _RECALL_GPU = int(codes.RecallFlag.GPU_RESULT)
+_RECALL_FILTER = int(codes.RecallFlag.FILTER)
+_SEARCH = int(Op.SEARCH)
+_RECALL = int(Op.RECALL)
+_SEARCH_ON_GPU = int(codes.SEARCH_GPU_RESULT | codes.SEARCH_GPU_QUERY)
 _RECALL_SYSTEM = int(codes.RecallResponseFlag.SYSTEM)
 _RECALL_ON_GPU = int(codes.RecallResponseFlag.TOKENS_ON_GPU)
 # A SEARCH with a metadata filter, or returning metadata, takes _search_filtered (1.5).
@@ -81,6 +85,17 @@ _SEARCH_FILTERED = codes.SEARCH_FILTER | codes.SEARCH_WANT_META
 # The CONTEXT path's codecs, bound once (a module attribute lookup costs ~0.02 µs).
 _decode_context = M.decode_context
 _encode_context_tokens_response = M.encode_context_tokens_response
+
+
+def batchable(op: int, flags: int) -> bool:
+    """Whether a request may join a batch (Dispatcher.handle_batch): a search or a recall
+    whose results come back in the response (not into a GPU buffer), without a metadata
+    filter (a filtered search runs alone: its rows are its own)."""
+    if op == _SEARCH:
+        return not flags & (_SEARCH_ON_GPU | _SEARCH_FILTERED)
+    if op == _RECALL:
+        return not flags & (_RECALL_GPU | _RECALL_FILTER)
+    return False
 
 
 def status_for(exc: KalosError) -> Status:
@@ -201,6 +216,95 @@ class Dispatcher:
             log.exception("op %s failed", op)
             n = M.encode_text(out, f"internal error: {type(exc).__name__}: {exc}")
             return Status.SERVER_ERROR, n, _monotonic_ns() - t0, 0
+
+    def handle_batch(
+        self, members: Sequence[tuple[int, int, np.ndarray, np.ndarray]]
+    ) -> list[tuple[int, int, int, int]]:
+        """Runs several searches or recalls (each ``(op, flags, body, out)``, every one
+        :func:`batchable`) with one pass over the index (MemoryStore.search_many): the
+        sidecar's dynamic batching. Returns each one's (status, response length, compute ns,
+        write ns), as :meth:`handle` would have for it alone: a member that fails (a bad
+        body, a wrong dimension, a session not found, a response too large) gets its own
+        error status and message, and every other member its exact answer. Compute time is
+        the batch's up to the member's response."""
+        t0 = _monotonic_ns()
+        gpu = self.memories.gpu
+        if gpu is not None:  # no graph may stay armed ahead of this work
+            gpu.settle()
+        self.now_ns = _time_ns()
+        self.gpu_buffer = self.pinned = self.reader = None
+        results: list[tuple[int, int, int, int] | None] = [None] * len(members)
+        # (member, its finish: hits and search ns -> (response length, write at), queries, k, scope)
+        jobs: list[tuple[int, Callable[[Any, int], tuple[int, int]], np.ndarray, int, Any]] = []
+        for i, (op, flags, body, out) in enumerate(members):
+            self.requests[op] += 1
+            try:
+                jobs.append((i, *self._batch_job(op, flags, body, out)))
+            except Exception as exc:
+                results[i] = self._failure(op, exc, out, t0)
+        t1 = _monotonic_ns()
+        hits = self.memories.search_many([(q, k, scope) for _, _, q, k, scope in jobs])
+        search_ns = _monotonic_ns() - t1
+        for (i, finish, *_), hit in zip(jobs, hits, strict=True):
+            out = members[i][3]
+            try:
+                if isinstance(hit, Exception):
+                    raise hit
+                n, write_at = finish(hit, search_ns)
+                end = _monotonic_ns()
+                if write_at:
+                    results[i] = (_OK, n, write_at - t0, end - write_at)
+                else:
+                    results[i] = (_OK, n, end - t0, 0)
+            except Exception as exc:
+                results[i] = self._failure(members[i][0], exc, out, t0)
+        return results  # type: ignore[return-value]
+
+    def _batch_job(
+        self, op: int, flags: int, body: np.ndarray, out: np.ndarray
+    ) -> tuple[Callable[[Any, int], tuple[int, int]], np.ndarray, int, Any]:
+        """A batch member decoded: (what writes its response from its hits, queries, k,
+        scope)."""
+        if op == Op.RECALL:
+            req_r = M.decode_recall(body, len(body))
+            start = recall_start(self.sessions, req_r, now=self.now_ns * 1e-9)
+
+            def finish_recall(hit: Any, search_ns: int) -> tuple[int, int]:
+                plan = recall_finish(
+                    self.memories, start, hit[0][0].copy(), hit[1][0].copy(), search_ns
+                )
+                return self._recall_response(out, plan, None)
+
+            return finish_recall, start.query, start.k, start.scope
+        req = M.decode_search(body, len(body))
+        if flags & codes.SEARCH_WANT_PAYLOADS:
+
+            def finish_payloads(hit: Any, search_ns: int) -> tuple[int, int]:
+                t = _monotonic_ns()
+                payloads = self.memories.payloads(hit[1])
+                return M.encode_search_response(out, hit[0], hit[1], payloads), t
+
+            return finish_payloads, req.queries, req.k, req.scope
+        codes.check_k(req.k)  # a bad k is INVALID_REQUEST, before its response's size is judged
+        n, scores, ids = M.search_response_views(out, len(req.queries), req.k)
+
+        def finish_search(hit: Any, search_ns: int) -> tuple[int, int]:
+            scores[...] = hit[0]
+            ids[...] = hit[1]
+            return n, 0
+
+        return finish_search, req.queries, req.k, req.scope
+
+    def _failure(
+        self, op: int, exc: Exception, out: np.ndarray, t0: int
+    ) -> tuple[int, int, int, int]:
+        """A failed batch member's (status, length, compute ns, write ns), as handle has it."""
+        self.errors += 1
+        if isinstance(exc, KalosError):
+            return status_for(exc), M.encode_text(out, str(exc)), _monotonic_ns() - t0, 0
+        log.error("op %s failed in a batch", op, exc_info=exc)
+        n = M.encode_text(out, f"internal error: {type(exc).__name__}: {exc}")
+        return Status.SERVER_ERROR, n, _monotonic_ns() - t0, 0
 
     # Each op returns (response length, the monotonic ns at which it began to encode the
     # response, or 0 when it does not time that): handle reads the clock once at the end.
@@ -366,7 +470,13 @@ class Dispatcher:
                     f"buffer's token slots), got {req.max_tokens}"
                 )
         plan = recall(self.memories, self.sessions, req, now=self.now_ns * 1e-9)
+        return self._recall_response(out, plan, buffer if to_gpu else None)
+
+    def _recall_response(self, out: np.ndarray, plan: RecallPlan, buffer: Any) -> tuple[int, int]:
+        """Encodes a recall's response; ``buffer``: the channel's GPU buffer for the token
+        ids (RecallFlag.GPU_RESULT), else None."""
         t = _monotonic_ns()
+        to_gpu = buffer is not None
         if to_gpu:
             buffer.write_tokens(plan.pieces, plan.n_tokens)
         n = M.encode_recall_response(

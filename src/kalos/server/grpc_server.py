@@ -44,10 +44,12 @@ from kalos.protocol import layout as L
 from kalos.protocol.codes import Status
 from kalos.protocol.messages import encode_text
 from kalos.server.config import SidecarConfig
+from kalos.server.dispatch import batchable
 from kalos.server.listener import STARTING_HOLD_S
 from kalos.transport.grpc import SERVICE, message_limits
 
 if TYPE_CHECKING:
+    from kalos.server.combiner import Combiner
     from kalos.server.durability import Durability
     from kalos.server.request_stats import Metrics, RequestStats
 
@@ -116,6 +118,7 @@ class GrpcServer:
         self._journal = journal
         self._metrics = metrics
         self.rejected = rejected if rejected is not None else collections.Counter()
+        self.combiner: Combiner | None = None  # batching across handlers, set by the sidecar
         self.connects = 0  # handshakes accepted
         self._local = _Buffers()
         self._all_stats: list[RequestStats] = []
@@ -265,6 +268,21 @@ class GrpcServer:
             body[:] = np.frombuffer(request, np.uint8, body_len, _REQ.size)
         out = local.out
         resp = out[_RESP.size : _RESP.size + arena]  # the client's arena: the same limit as shm
+        combiner = self.combiner
+        if combiner is not None and batchable(op, flags):  # with other handlers' searches
+            left = context.time_remaining()  # None: no deadline
+            if left is not None and left <= 0:  # as the shm poller does
+                status_b: int = Status.TIMEOUT
+                n = encode_text(resp, "the request's deadline passed before it was served")
+                compute_ns = write_ns = 0
+                queue_ns = _monotonic_ns() - picked
+            else:
+                (status_b, n, compute_ns, write_ns), started = combiner.call(op, flags, body, resp)
+                queue_ns = started - picked if started > picked else 0  # waiting for its batch
+            _RESP.pack_into(out, 0, seq, status_b, 0, n, queue_ns, compute_ns, write_ns)
+            if local.stats is not None:
+                local.stats.record(op, status_b, queue_ns, compute_ns, write_ns)
+            return out[: _RESP.size + n].tobytes()
         with self._lock:
             queue_ns = _monotonic_ns() - picked  # waiting for the dispatcher
             left = context.time_remaining()  # None: no deadline

@@ -29,8 +29,10 @@ from kalos.protocol import layout as L
 from kalos.protocol.codes import PROTOCOL_VERSION, Status
 from kalos.protocol.messages import encode_text
 from kalos.server.channels import Poller, ServerChannel
+from kalos.server.dispatch import batchable
 
 if TYPE_CHECKING:
+    from kalos.server.combiner import Combiner
     from kalos.server.gpu_search import GpuSearch
 from kalos.server.config import SidecarConfig
 from kalos.transport.handshake import recv_message, send_message
@@ -80,6 +82,7 @@ class Listener:
         self._lock = lock
         self._info = info
         self.gpu: GpuSearch | None = None  # set by the sidecar on a cuda index
+        self.combiner: Combiner | None = None  # batching across connections, set by the sidecar
         self.heap: TokenHeap | None = None  # the token heap, set by the sidecar when it has one
         self.session_index: SessionIndex | None = None  # likewise (it needs the heap)
         self._journal = journal
@@ -324,6 +327,9 @@ class Listener:
                 status: int = Status.TIMEOUT
                 n = encode_text(resp, "the request's deadline passed before it was served")
                 compute_ns = write_ns = 0
+            elif self.combiner is not None and batchable(op, flags):  # with other threads' searches
+                result, _ = self.combiner.call(op, flags, body[:body_len], resp)
+                status, n, compute_ns, write_ns = result
             else:
                 with self._lock:
                     status, n, compute_ns, write_ns = self._handle(op, flags, body[:body_len], resp)

@@ -32,6 +32,7 @@ from kalos.paths import runtime_dir, socket_path
 from kalos.protocol import codes
 from kalos.protocol import layout as L
 from kalos.server.channels import Poller
+from kalos.server.combiner import Combiner
 from kalos.server.config import SidecarConfig
 
 if TYPE_CHECKING:
@@ -227,12 +228,21 @@ class Sidecar:
             spin_us=config.spin_us,
             heartbeat_ms=config.heartbeat_ms,
             journal=self.durability,
+            handle_batch=self.dispatcher.handle_batch if config.batch_max > 1 else None,
+            batch_delay_us=config.batch_delay_us,
+            batch_max=config.batch_max,
         )
         if self.gpu is not None:
             self.poller.doorbell = self.gpu.doorbell
         if self.durability is not None:
             self.durability.on_durable = self.poller.wake  # a commit landed: release writes
         self._handle = handle
+        # uds connections' and grpc handlers' searches batch among themselves (server.combiner)
+        self.combiner: Combiner | None = None
+        if config.batch_max > 1:
+            self.combiner = Combiner(
+                self.lock, handle, self.dispatcher.handle_batch, config.batch_max
+            )
         self.listener: Listener | None = None
         self.grpc: GrpcServer | None = None  # with config.grpc (kalos serve --grpc ADDR)
         self._thread: threading.Thread | None = None
@@ -249,6 +259,12 @@ class Sidecar:
             "epoch": self.epoch,
             "channels": len(self.poller.channels),
             "gpu_published": self.poller.device_published,  # see server.gpu_search
+            "batches": self.poller.batches,  # of two or more searches (server.channels)
+            "batched": self.poller.batched,
+            "largest_batch": self.poller.largest_batch,
+            # uds and grpc requests' batches (server.combiner)
+            "thread_batches": self.combiner.batches if self.combiner is not None else 0,
+            "thread_batched": self.combiner.batched if self.combiner is not None else 0,
             "uds_connections": listener.uds_connections if listener else 0,
             "connects": listener.connects if listener else 0,
             "refused": listener.refused if listener else 0,
@@ -288,6 +304,7 @@ class Sidecar:
             journal=self.durability,
         )
         self.listener.gpu = self.gpu
+        self.listener.combiner = self.combiner
         self.listener.heap = self.token_heap
         self.listener.session_index = self.session_index
         self.listener.metrics = self.admin.metrics if self.admin is not None else None
@@ -335,7 +352,14 @@ class Sidecar:
         except InterruptedError:
             log.info("stopped during the kernel warm-up")
             return False
-        log.info("GPU kernels warm in %.1f s", self.warm_seconds)
+        pre = self.gpu.index.precompiled
+        if pre is not None:
+            log.info(
+                "GPU kernels warm in %.1f s (%d variants compiled by %d processes in %.1f s)",
+                self.warm_seconds, pre["compiled"], pre["workers"], pre["seconds"],
+            )  # fmt: skip
+        else:
+            log.info("GPU kernels warm in %.1f s", self.warm_seconds)
         return True
 
     def _open_grpc(self, listener: Listener) -> None:
@@ -344,7 +368,7 @@ class Sidecar:
             from kalos.server.grpc_server import GrpcServer
         except ImportError as exc:
             raise ConfigError("--grpc needs grpcio: pip install 'kalos[grpc]'") from exc
-        self.grpc = GrpcServer(
+        grpc = GrpcServer(
             self.config,
             handle=self._handle,
             lock=self.lock,
@@ -353,7 +377,9 @@ class Sidecar:
             journal=self.durability,
             metrics=self.admin.metrics if self.admin is not None else None,
             rejected=listener.rejected,
-        ).start()
+        )
+        grpc.combiner = self.combiner
+        self.grpc = grpc.start()
 
     def serve(self) -> None:
         """Serves in this thread until :meth:`stop`; then cleans up."""

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import sqlite3
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -351,6 +352,101 @@ class MemoryStore:
         out[0][...] = scores
         out[1][...] = ids
         return out
+
+    def search_many(
+        self, members: Sequence[tuple[np.ndarray, int, Scope | None]]
+    ) -> list[tuple[np.ndarray, np.ndarray] | Exception]:
+        """Several searches in one pass over the index (the sidecar's dynamic batching),
+        each ``(queries [nq, dim], k, scope)``; returns, in order, each one's ``(scores, ids)``
+        as :meth:`search` would (arrays owned by the caller), or the exception that search
+        alone would have raised: a bad member fails only itself. On a CPU index one BLAS
+        product serves the batch (:meth:`Index.search_many`); on a GPU index the members of
+        one scope filter share one batched kernel call, at the largest of their k, and each
+        keeps its own first k (the same top-k: the ranking is the same)."""
+        results: list[tuple[np.ndarray, np.ndarray] | Exception | None] = [None] * len(members)
+        todo: list[tuple[int, np.ndarray, int, tuple[int, int, int] | None]] = []
+        for i, (queries, k, scope) in enumerate(members):
+            try:
+                self.check_vectors(queries, "the query")
+                check_k(k)
+            except InvalidRequest as exc:
+                results[i] = exc
+                continue
+            todo.append((i, queries, k, self.scopes.filter(scope)))
+        found: list[tuple[np.ndarray, np.ndarray] | Exception] | None = None
+        try:
+            if self.gpu is not None:
+                found = self._gpu_many(self.gpu, todo)
+            elif todo:
+                found = list(self.index.search_many([(q, k, f) for _, q, k, f in todo]))
+        except Exception:  # whichever member caused it: each alone, so it fails only itself
+            found = None
+        if found is None:
+            found = []
+            for _, q, k, f in todo:
+                try:
+                    found.append(self._search_alone(q, k, f))
+                except Exception as exc:
+                    found.append(exc)
+        for (i, *_), hit in zip(todo, found, strict=True):
+            results[i] = hit
+        return results  # type: ignore[return-value]
+
+    def _search_alone(
+        self, queries: np.ndarray, k: int, filt: tuple[int, int, int] | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        if self.gpu is not None:
+            scores, ids = self.gpu.search(queries, k, filt)
+            return scores.copy(), ids.copy()  # GPU staging is reused: own them
+        return self.index.search(queries, k, scope=filt)
+
+    def _gpu_many(
+        self, gpu: GpuSearcher, todo: list[tuple[int, np.ndarray, int, tuple[int, int, int] | None]]
+    ) -> list[tuple[np.ndarray, np.ndarray] | Exception]:
+        """The GPU's share of :meth:`search_many`: members grouped by scope filter, each
+        group in calls of at most ``gpu.max_batch`` queries, padded to a power of two (a
+        graph is captured once per batch size and k: few sizes, few captures)."""
+        found: list[tuple[np.ndarray, np.ndarray] | Exception | None] = [None] * len(todo)
+        groups: dict[tuple[int, int, int] | None, list[int]] = {}  # filter -> members
+        for j, (_, _, _, filt) in enumerate(todo):
+            groups.setdefault(filt, []).append(j)
+        for filt, members in groups.items():
+            chunk: list[int] = []
+            rows = 0
+            for j in [*members, -1]:
+                nq = len(todo[j][1]) if j >= 0 else 0
+                if chunk and (j < 0 or rows + nq > gpu.max_batch):
+                    self._gpu_call(gpu, [todo[c] for c in chunk], rows, filt, found, chunk)
+                    chunk, rows = [], 0
+                if j >= 0:
+                    chunk.append(j)
+                    rows += nq
+        return found  # type: ignore[return-value]
+
+    def _gpu_call(
+        self, gpu: GpuSearcher, members: list[tuple[int, np.ndarray, int, Any]], rows: int,
+        filt: tuple[int, int, int] | None, found: list[Any], slots: list[int],
+    ) -> None:  # fmt: skip
+        """One batched GPU search for ``members`` (one filter, ``rows`` queries in all)."""
+        k = max(m[2] for m in members)
+        if k <= 1000:  # k up to a power of ten, as the batch size to one of two: few graphs
+            k = 10 ** math.ceil(math.log10(k))
+        if len(members) == 1 or k > 1024 or rows > gpu.max_batch:
+            for slot, (_, q, kk, _) in zip(slots, members, strict=True):
+                found[slot] = self._search_alone(q, kk, filt)
+            return
+        size = min(1 << (rows - 1).bit_length(), gpu.max_batch)
+        batch = np.empty((size, self.dim), np.float32)  # [size, dim]: the queries, padded
+        at = 0
+        for _, q, _, _ in members:
+            batch[at : at + len(q)] = q
+            at += len(q)
+        batch[at:] = batch[0]  # padding rows: a real query (cosine needs a norm); ignored
+        scores, ids = gpu.search(batch, k, filt)  # views into staging, [size, k]
+        at = 0
+        for slot, (_, q, kk, _) in zip(slots, members, strict=True):
+            found[slot] = (scores[at : at + len(q), :kk].copy(), ids[at : at + len(q), :kk].copy())
+            at += len(q)
 
     def search_to_device(
         self, buffer: Any, queries: np.ndarray | None, nq: int, k: int,

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -83,11 +83,26 @@ def memory_scope(scope: Scope, session_tenant: str | None) -> Scope:
     return scope
 
 
-def recall(
-    memories: MemoryStore, sessions: SessionStore, req: RecallRequest, *, now: float
-) -> RecallPlan:
-    """Runs one recall (see the module docstring). NotFound for an unknown or expired
-    session, or one outside the filter's tenant and user; InvalidRequest for bad input."""
+class RecallStart(NamedTuple):
+    """A recall up to its search (:func:`recall_start`): the session read, the budget left,
+    and the search to run (``query``, ``k``, ``scope``), which a batch may share with
+    others before :func:`recall_finish`."""
+
+    session: Any  # the live session (SessionStore.live)
+    system: Any  # its pinned system prompt when it fits the budget, else None
+    budget: int  # token ids left after the system prompt
+    query: np.ndarray  # [1, dim]
+    k: int
+    scope: Scope  # the memory filter (memory_scope)
+    where: Any  # the metadata filter (kalos.filters, parsed), or None
+    memory_tokens: int | None
+    max_turns: int | None
+    started_ns: int  # monotonic: the recall began
+    context_ns: int  # reading the session so far
+
+
+def recall_start(sessions: SessionStore, req: RecallRequest, *, now: float) -> RecallStart:
+    """The first half of :func:`recall`: checks the request and reads the session."""
     t0 = _monotonic_ns()
     if req.max_tokens < 0:
         raise InvalidRequest(f"max_tokens must be >= 0, got {req.max_tokens}")
@@ -99,20 +114,30 @@ def recall(
         system = None
     if system is not None:
         budget -= system.n_tokens
-    t1 = _monotonic_ns()
     where = None if req.where is None else filters.parse(req.where)
-    scores, ids = memories.search(req.query, req.k, memory_scope(scope, s.tenant), where=where)
-    scores, ids = scores[0].copy(), ids[0].copy()  # GPU staging is reused: own them
+    return RecallStart(
+        s, system, budget, req.query, req.k, memory_scope(scope, s.tenant), where,
+        req.memory_tokens, req.max_turns, t0, _monotonic_ns() - t0,
+    )  # fmt: skip
+
+
+def recall_finish(
+    memories: MemoryStore, start: RecallStart, scores: np.ndarray, ids: np.ndarray,
+    search_ns: int,
+) -> RecallPlan:  # fmt: skip
+    """The second half of :func:`recall`, given its search's hits (scores [k], ids [k],
+    owned) and how long the search took."""
     t2 = _monotonic_ns()
+    s, system, budget = start.session, start.system, start.budget
     token_bytes = memories.token_ids(ids)
-    share = budget if req.memory_tokens is None else min(budget, req.memory_tokens)
+    share = budget if start.memory_tokens is None else min(budget, start.memory_tokens)
     counts = pick_memories([len(b) >> 2 for b in token_bytes], share)
     pieces: list[bytes | memoryview] = [] if system is None else [system.tokens]
     pieces += [b for b, n in zip(token_bytes, counts, strict=True) if n]
     used = sum(counts)
     payloads = memories.payloads(ids)
     t3 = _monotonic_ns()
-    first = s.newest(budget - used, req.max_turns)
+    first = s.newest(budget - used, start.max_turns)
     cum = s.tok_cum
     n = len(cum) - 1
     pieces.append(s.tokens_mv[4 * cum[first] : 4 * cum[n]])
@@ -130,7 +155,19 @@ def recall(
         system_tokens,
         n - first,
         turn_tokens,
-        (t1 - t0) + (t4 - t3),
-        t2 - t1,
+        start.context_ns + (t4 - t3),
+        search_ns,
         t3 - t2,
     )
+
+
+def recall(
+    memories: MemoryStore, sessions: SessionStore, req: RecallRequest, *, now: float
+) -> RecallPlan:
+    """Runs one recall (see the module docstring). NotFound for an unknown or expired
+    session, or one outside the filter's tenant and user; InvalidRequest for bad input."""
+    start = recall_start(sessions, req, now=now)
+    t1 = _monotonic_ns()
+    scores, ids = memories.search(start.query, start.k, start.scope, where=start.where)
+    scores, ids = scores[0].copy(), ids[0].copy()  # GPU staging is reused: own them
+    return recall_finish(memories, start, scores, ids, _monotonic_ns() - t1)

@@ -42,6 +42,7 @@ from typing import Any
 import triton
 import triton.language as tl
 
+from kalos.index.kernels.precompile import launch
 from kalos.index.kernels.scan_topk import (
     KEY_NONE,
     ScanConfig,
@@ -278,7 +279,7 @@ def prep(q: Any, rot32: Any, mean32: Any, qc: Any, qf: Any, *, metric: int, gate
     outside columns 0 and 1), qf [QF_FIXED + 2 NCH] fp32 (see the module doc)."""
     dim = q.shape[1]
     nch = qc.shape[0]
-    _prep_kernel[(nch,)](
+    launch(_prep_kernel, (nch,),
         q, rot32, mean32, qc, qf, q if gate is None else gate,
         D=dim, BLOCK_D=block_d(dim), DB=min(block_d(dim), 128), NCH=nch, METRIC=metric,
         GATED=gate is not None, num_warps=4,
@@ -291,7 +292,7 @@ def emit(upper: Any, n_dev: Any, state: Any, count: Any, rows: Any, ticket: Any,
     from ``count`` on; resets the bounds pass's ``state`` (thr, slots)."""
     cap = upper.shape[0]
     thr, slots = state[0], state[1]
-    _emit_kernel[(triton.cdiv(cap, _EMIT_BLOCK),)](
+    launch(_emit_kernel, (triton.cdiv(cap, _EMIT_BLOCK),),
         upper, n_dev, thr, slots, count, rows, ticket, n_dev if gate is None else gate,
         k, thr.shape[0] // replicas,
         GW=key_width(k), BLOCK=_EMIT_BLOCK, REPL=replicas, GATED=gate is not None,

@@ -59,6 +59,8 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import constexpr_function
 
+from kalos.index.kernels.precompile import launch
+
 KEY_NONE = -(2**63)  # int64 min: "no row"
 _KEY_NONE: tl.constexpr = tl.constexpr(KEY_NONE)
 _KEY_MAX: tl.constexpr = tl.constexpr(2**63 - 1)
@@ -1378,7 +1380,9 @@ def scan_topk(
         ticket = ids = scores_out = ids_out = cand
         stride_os = stride_oi = 0
     ncand = programs * kp
-    _scan_topk_kernel[(programs,)](
+    launch(
+        _scan_topk_kernel,
+        (programs,),
         db,
         sqnorms,
         scopes,
@@ -1482,7 +1486,9 @@ def merge_topk(
     if chunk is None:
         chunk = merge_chunk(ncand, k)
     thr, slots, surv = state
-    _merge_topk_kernel[(nq,)](
+    launch(
+        _merge_topk_kernel,
+        (nq,),
         cand,
         thr,
         slots,
@@ -1529,7 +1535,9 @@ def score_keys(
     prec = "ieee" if db.dtype.itemsize == 4 else "tf32"
     bd = block_d(dim)
     bn = max(16, min(block_n, next_pow2(32768 // (bd * db.dtype.itemsize))))
-    _score_keys_kernel[(triton.cdiv(cap, bn),)](
+    launch(
+        _score_keys_kernel,
+        (triton.cdiv(cap, bn),),
         db,
         sqnorms,
         scopes,

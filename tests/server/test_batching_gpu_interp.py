@@ -1,0 +1,112 @@
+"""Batched searches on a cuda index, through the GPU search hook, under Triton's interpreter:
+members of one scope filter share one batched kernel call (padded to a power of two, at the
+largest k rounded up), each keeps its own k, and every answer is exact."""
+
+from __future__ import annotations
+
+# isort: off
+from triton_interp import torch  # sets TRITON_INTERPRET=1 before triton loads
+
+# isort: on
+
+import time
+
+import numpy as np
+import pytest
+
+from cuda_reference import make_index
+from kalos import _native
+from kalos.gpu import driver
+from kalos.protocol import layout as L
+from kalos.protocol import messages as M
+from kalos.protocol.codes import Op, Status
+from kalos.server.gpu_search import GpuSearch
+from kalos.stores.memories import MemoryStore
+from kalos.testing import check_search
+from server import test_doorbell
+from server.test_doorbell import ACME, BETA, K, Served, query
+
+served_fixture = test_doorbell.served  # the doorbell tests' fixture, by this name here
+
+DIM = 32
+N = 300
+
+
+def test_a_batch_on_the_gpu_is_each_search_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the CPU stands in for the GPU: no context, no page-locking, no stream
+    monkeypatch.setattr(driver, "ensure_context", lambda device: None)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **kw: self)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **kw: None)
+    rng = np.random.default_rng(3)
+    index = make_index("ip", "fp16", DIM, "cpu")
+    gpu = GpuSearch(index)
+    store = MemoryStore(index, gpu=gpu)
+    # fp16 rows: the reference scores the rows as stored
+    vectors = rng.standard_normal((N, DIM)).astype(np.float16).astype(np.float32)
+    ids = np.arange(1, N + 1, dtype=np.int64)
+    tenants = np.where(np.arange(N) % 3 == 0, "b", "a")
+    for t in ("a", "b"):
+        rows = np.flatnonzero(tenants == t)
+        store.add(ids[rows], vectors[rows], np.zeros(len(rows), np.uint8),
+                  np.zeros(len(rows) + 1, np.int64), np.zeros(0, np.uint8),
+                  M.Scope(t, None, None))  # fmt: skip
+    codes = {t: store.scopes.filter(M.Scope(t, None, None)) for t in ("a", "b")}
+    items = {int(i): (v, codes[t]) for i, v, t in zip(ids, vectors, tenants, strict=True)}
+    q = rng.standard_normal((6, DIM)).astype(np.float16).astype(np.float32)
+    members = [
+        (q[0:1], 10, None),
+        (q[1:3], 3, None),  # two queries, another k: one call of 4 (padded) at k 10
+        (q[3:4], 5, M.Scope("a", None, None)),
+        (q[4:5], 1, M.Scope("a", None, None)),
+        (np.ones((1, DIM + 1), np.float32), 5, None),  # a bad member fails alone
+        (q[5:6], 7, M.Scope("b", None, None)),  # alone in its filter: a search of its own
+    ]
+    hits = store.search_many(members)
+    assert isinstance(hits[4], Exception)
+    for i, ((queries, k, scope), hit) in enumerate(zip(members, hits, strict=True)):
+        if i == 4:
+            continue
+        assert not isinstance(hit, Exception), hit
+        filt = store.scopes.filter(scope)
+        check_search(hit, items, queries, k, "ip", filt, rtol=2e-3)
+    # the shapes it used: batches of 4 (3 unscoped queries) and 2 (two scoped), k 10
+    assert {(4, 10, False), (2, 10, True)} <= set(gpu._graphs)
+
+
+# -- through the poller, beside the GPU doorbell (its fixture: tests/server/test_doorbell.py) --
+
+
+def publish(s: Served, ch: int, q: np.ndarray, scope: M.Scope) -> tuple[object, int]:
+    c = s.channels[ch]
+    n = M.encode_search(c.req_arena, q[None], K, M.encode_scope_fields(scope))
+    now = time.monotonic_ns()
+    L.REQ_FIELDS.pack_into(c.buf, L.REQ_OP, Op.SEARCH, 0, n, now, now + int(60e9))
+    seq = s.seqs[ch] = s.seqs[ch] + 1
+    _native.store_release(c.req_seq, seq)
+    return c, seq
+
+
+def answers(s: Served, batch: list, qs: list, codes: list[int]) -> None:
+    for (c, seq), q, code in zip(batch, qs, codes, strict=True):
+        assert _native.load_acquire(c.resp_seq) == seq
+        status, _, body_len, *_ = L.RESP_FIELDS.unpack_from(c.buf, L.RESP_STATUS)
+        assert status == Status.OK
+        r = M.decode_search_response(c.resp_arena, body_len)
+        s.check(q, r.scores.copy(), r.ids.copy(), code)
+
+
+@pytest.mark.parametrize("armed", [False, True], ids=["idle", "doorbell-armed"])
+def test_a_batch_through_the_poller_of_a_cuda_sidecar(served_fixture: Served, armed: bool) -> None:
+    served = served_fixture
+    served.poller._handle_batch = served.dispatcher.handle_batch
+    if armed:  # the GPU waits on channel 0 for its next search: it may take it itself
+        served.search(query(1))
+        assert served.door.armed is served.channels[0].pinned
+    qs = [query(2), query(3)]
+    scopes, codes = ([ACME, BETA], [1, 2]) if armed else ([ACME, ACME], [1, 1])
+    batch = [publish(served, ch, q, s) for ch, q, s in zip((0, 1), qs, scopes, strict=True)]
+    served.poller._serve_batch(list(batch))
+    answers(served, batch, qs, codes)
+    assert served.door.armed is None  # nothing stays armed ahead of the batch's work
+    if not armed:  # both in one batched call: one graph of 2 queries, at k 10, filtered
+        assert served.poller.batches == 1 and (2, 10, True) in served.gpu._graphs
