@@ -34,6 +34,7 @@ class StandInGpu:
     def __init__(self) -> None:
         self.started = threading.Event()
         self.release = threading.Event()
+        self.precompiled = None  # what a GPU's parallel compile did: nothing here
 
     def warm(self, stop=None) -> float:
         self.started.set()

@@ -423,6 +423,11 @@ class GpuSearch:
             if doorbell_ok():
                 self.doorbell = Doorbell(index.device)
 
+    @property
+    def precompiled(self) -> dict[str, Any] | None:
+        """What the last warm-up's parallel compile did (CudaFlatIndex.precompiled)."""
+        return self.index.precompiled
+
     def warm(self, stop: Callable[[], bool] | None = None) -> float:
         """Before readiness: compiles (or loads from Triton's disk cache) every kernel a
         search can need (:meth:`CudaFlatIndex.warm`), captures the search graphs of the

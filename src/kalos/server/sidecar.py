@@ -352,7 +352,7 @@ class Sidecar:
         except InterruptedError:
             log.info("stopped during the kernel warm-up")
             return False
-        pre = self.gpu.index.precompiled
+        pre = self.gpu.precompiled
         if pre is not None:
             log.info(
                 "GPU kernels warm in %.1f s (%d variants compiled by %d processes in %.1f s)",
