@@ -422,7 +422,11 @@ class AdminServer:
 
         def readyz() -> tuple[int, str, bytes]:
             state = control_state(sidecar)
-            body = (json.dumps({"ready": state == "ready", "state": state}) + "\n").encode()
+            doc: dict[str, Any] = {"ready": state == "ready", "state": state}
+            source = getattr(sidecar, "source", None)
+            if source is not None:  # reads still served; writes fail until it reconnects
+                doc["degraded"] = source.degraded
+            body = (json.dumps(doc) + "\n").encode()
             return (200 if state == "ready" else 503), "application/json", body
 
         def metrics() -> tuple[int, str, bytes]:
