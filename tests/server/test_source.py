@@ -222,6 +222,30 @@ def test_unreachable_database_reads_served_writes_refused(
         wait_for(lambda: not c.stats()["source"]["degraded"], "recovered")
 
 
+def test_the_change_feed_is_pruned_once_every_follower_passed_it(
+    source: str, runtime_dir: str
+) -> None:
+    import psycopg
+
+    with replicas(source, runtime_dir, n=2, source_retention_s=0.3) as (a, b):
+        a.add(np.stack([vector(i) for i in range(20)]), list(range(20)), ["x"] * 20)
+        wait_for(lambda: find(b, 19) == "x", "the add on the other sidecar")
+        with psycopg.connect(source, autocommit=True) as conn:
+            # a follower that went away long ago holds nothing back
+            conn.execute(
+                "INSERT INTO kalos_followers VALUES ('gone/long-ago', 0, now() - interval '1 day')"
+            )
+
+            def rows() -> int:
+                return int(conn.execute("SELECT count(*) FROM kalos_changes").fetchone()[0])
+
+            wait_for(lambda: rows() == 0, "the feed's rows to be pruned")
+            names = {r[0] for r in conn.execute("SELECT name FROM kalos_followers")}
+            assert "gone/long-ago" not in names and len(names) == 2
+        b.add(vector(50)[None], [50], ["y"])  # the feed goes on after pruning
+        wait_for(lambda: find(a, 50) == "y", "a write after the pruning")
+
+
 def test_source_on_the_command_line_refuses_a_password() -> None:
     from kalos.server.source import check_no_password
 

@@ -661,7 +661,7 @@ class Source:
                             (self.follower, self.applied),
                         )
                         last_seen = now
-                    if now - last_prune >= PRUNE_EVERY_S:
+                    if now - last_prune >= min(PRUNE_EVERY_S, self.retention_s):
                         self._prune(conn)
                         last_prune = now
                     # wake on the next commit's NOTIFY, or after 0.5 s at most
