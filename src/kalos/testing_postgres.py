@@ -151,8 +151,11 @@ class PostgresServer:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(os.getpgid(pid), signal.SIGKILL)
         self._signal(signal.SIGKILL)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(self.data_dir, "postmaster.pid"))
+        # what a dead postmaster leaves behind (its pid may linger as an unreaped zombie)
+        sock = os.path.join(self.socket_dir, f".s.PGSQL.{self.port}")
+        for path in (os.path.join(self.data_dir, "postmaster.pid"), sock, sock + ".lock"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
     def create_database(self, name: str) -> str:
         """Creates database ``name``; returns its connection string."""

@@ -227,7 +227,7 @@ def test_the_change_feed_is_pruned_once_every_follower_passed_it(
 ) -> None:
     import psycopg
 
-    with replicas(source, runtime_dir, n=2, source_retention_s=0.3) as (a, b):
+    with replicas(source, runtime_dir, n=2, source_retention_s=2.0) as (a, b):
         a.add(np.stack([vector(i) for i in range(20)]), list(range(20)), ["x"] * 20)
         wait_for(lambda: find(b, 19) == "x", "the add on the other sidecar")
         with psycopg.connect(source, autocommit=True) as conn:
@@ -244,6 +244,67 @@ def test_the_change_feed_is_pruned_once_every_follower_passed_it(
             assert "gone/long-ago" not in names and len(names) == 2
         b.add(vector(50)[None], [50], ["y"])  # the feed goes on after pruning
         wait_for(lambda: find(a, 50) == "y", "a write after the pruning")
+
+
+@pytest.mark.parametrize("crash", [False, True], ids=["restart", "kill-9"])
+def test_database_restart_under_load_loses_nothing_acknowledged(
+    pg: PostgresServer, source: str, runtime_dir: str, crash: bool
+) -> None:
+    import psycopg
+
+    with psycopg.connect(source) as conn:  # what "nothing acknowledged is lost" rests on
+        assert conn.execute("SHOW fsync").fetchone()[0] == "on"
+    with replicas(source, runtime_dir, n=2) as (a, b):
+        b.add(vector(0)[None], [0], ["v0"])
+        acked: set[int] = {0}
+        refused: list[str] = []
+        read_errors: list[BaseException] = []
+        stop = threading.Event()
+
+        def write() -> None:
+            with kalos.Client("r0", runtime_dir=runtime_dir) as c:
+                for item in itertools.count(1):
+                    if stop.is_set():
+                        return
+                    try:
+                        c.add(vector(item)[None], [item], [f"v{item}"])
+                        acked.add(item)
+                    except kalos.KalosError as exc:
+                        refused.append(str(exc))
+                        time.sleep(0.01)
+
+        def read() -> None:
+            with kalos.Client("r1", runtime_dir=runtime_dir) as c:
+                while not stop.is_set():
+                    try:
+                        assert find(c, 0) == "v0"
+                    except BaseException as exc:
+                        read_errors.append(exc)
+                        return
+
+        threads = [threading.Thread(target=write), threading.Thread(target=read)]
+        for t in threads:
+            t.start()
+        try:
+            wait_for(lambda: len(acked) >= 30, "writes before the restart")
+            pg.kill() if crash else pg.stop()
+            wait_for(lambda: len(refused) >= 3, "writes refused while it is down")
+            down = len(acked)
+            time.sleep(0.3)
+            pg.start()
+            wait_for(lambda: len(acked) >= down + 30, "writes after the restart", timeout=20)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+        assert not read_errors, read_errors
+        assert all("not acknowledged" in m or "not applied" in m for m in refused), refused[:3]
+        with psycopg.connect(source) as conn:
+            stored = {r[0] for r in conn.execute("SELECT id FROM kalos_memories")}
+        assert acked <= stored, sorted(acked - stored)[:10]
+        for c in (a, b):
+            wait_for(lambda c=c: all(find(c, i) == f"v{i}" for i in sorted(acked)), "all acked")
+        print(f"\n{len(acked)} acknowledged, {len(refused)} refused while down, 0 lost")
 
 
 def test_source_on_the_command_line_refuses_a_password() -> None:

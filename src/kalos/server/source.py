@@ -63,8 +63,14 @@ BATCH_ROWS = 5000  # change rows read per query
 COPY_CHUNK = 4096  # rows applied per store call at bootstrap
 DEFAULT_RETENTION_S = 3600.0
 DEFAULT_MAX_LAG = 0  # feed positions a sidecar may be behind and still become ready
-APPLY_WAIT_S = 5.0  # a committed write not applied here by then is answered with an error
+# A committed write not applied here by then (or when the follower lost the database) is
+# answered with an error: below the clients' default deadline (5 s), so they hear why.
+APPLY_WAIT_S = 2.0
 RECONNECT_S = 0.5  # between reconnection attempts
+# A write's transaction runs on the thread serving it, under the dispatch lock: these bound
+# how long an unreachable database can hold that thread (and the reads behind it).
+CONNECT_TIMEOUT_S = 2
+STATEMENT_TIMEOUT_MS = 5000
 PRUNE_EVERY_S = 5.0
 SOURCE_OPS = frozenset(
     int(o) for o in (Op.ADD, Op.REMOVE, Op.FORGET, Op.STATE_PUT, Op.STATE_CAS, Op.STATE_DELETE)
@@ -268,8 +274,21 @@ class Source:
 
     # -- connections ---------------------------------------------------------------------------
 
-    def _connect(self, autocommit: bool = False) -> Any:
-        return self._psycopg.connect(self._conninfo, autocommit=autocommit, connect_timeout=5)
+    def _connect(self, autocommit: bool = False, *, writer: bool = False) -> Any:
+        conn = self._psycopg.connect(
+            self._conninfo,
+            autocommit=autocommit,
+            connect_timeout=CONNECT_TIMEOUT_S,
+            tcp_user_timeout=STATEMENT_TIMEOUT_MS,  # unacknowledged TCP data: give up
+            keepalives=1,
+            keepalives_idle=5,
+            keepalives_interval=2,
+            keepalives_count=2,
+        )
+        if writer:  # not the follower's: a bootstrap's COPY may take minutes
+            conn.execute(f"SET statement_timeout = {STATEMENT_TIMEOUT_MS}")
+            conn.commit()
+        return conn
 
     @property
     def degraded(self) -> bool:
@@ -321,7 +340,7 @@ class Source:
             self._pending.pop(lsn, None)
             return True
         deadline = self._pending.get(lsn)
-        if deadline is not None and time.monotonic() > deadline:
+        if deadline is not None and (not self.connected or time.monotonic() > deadline):
             del self._pending[lsn]
             return self._late(lsn)
         return None
@@ -334,7 +353,7 @@ class Source:
         with self._applied_cv:
             while self.applied < lsn:
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or not self.connected:
                     return self._late(lsn)
                 self._applied_cv.wait(left)
         return True
@@ -342,8 +361,8 @@ class Source:
     def _late(self, lsn: int) -> str:
         return (
             f"the write was committed in the source database (position {lsn}) but this "
-            f"sidecar has not applied it within {self.apply_wait_s:g} s (applied through "
-            f"{self.applied}); it will appear once the sidecar catches up"
+            f"sidecar has not applied it yet (applied through {self.applied}: it lags, or "
+            "lost the database); it will appear once the sidecar catches up"
         )
 
     # -- writes --------------------------------------------------------------------------------
@@ -351,10 +370,15 @@ class Source:
     def _write(self, op: int, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
         """Runs one write as a transaction; returns (response length, feed position)."""
         request = self._prepare(op, flags, body)  # validation first: no connection needed
+        if not self.connected:  # the follower lost the database: fail fast, hold no one up
+            self.refused_writes += 1
+            raise SourceUnavailable(
+                "the write was not acknowledged: the source database is unreachable (reconnecting)"
+            )
         conn = self._writer
         try:
             if conn is None or conn.closed:
-                conn = self._writer = self._connect()
+                conn = self._writer = self._connect(writer=True)
             with conn.transaction(), conn.cursor() as cur:
                 n = request(cur, out)
                 cur.execute("SELECT head FROM kalos_feed")
@@ -363,8 +387,10 @@ class Source:
             raise
         except self._psycopg.Error as exc:
             self.refused_writes += 1
-            if conn is not None and (conn.closed or conn.broken):
-                self.writer_error = str(exc).strip() or type(exc).__name__
+            # A failed connection may be left mid-pipeline (executemany): never reuse one.
+            if conn is not None:
+                if conn.closed or conn.broken:
+                    self.writer_error = str(exc).strip() or type(exc).__name__
                 with contextlib.suppress(Exception):
                     conn.close()
                 self._writer = None
@@ -653,7 +679,7 @@ class Source:
                     while self._catch_up(conn):
                         pass
                     now = time.monotonic()
-                    if now - last_seen >= 1.0:
+                    if now - last_seen >= min(1.0, self.retention_s / 4):
                         conn.execute(
                             "INSERT INTO kalos_followers (name, applied) VALUES (%s, %s) ON "
                             "CONFLICT (name) DO UPDATE SET applied = EXCLUDED.applied, "
@@ -671,9 +697,11 @@ class Source:
                 if self.connected:
                     log.warning("lost the source database %s: %s", self.where, exc)
                 self.connected = False
+                self._wake()  # writes waiting to be applied here are answered now
             except Exception:
                 log.exception("the follower failed; retrying")
                 self.connected = False
+                self._wake()
             finally:
                 if conn is not None:
                     with contextlib.suppress(Exception):
