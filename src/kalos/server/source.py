@@ -15,9 +15,10 @@ position (:meth:`outcome`, :meth:`wait`): an acknowledged write is committed in 
 and visible in this sidecar's own searches. Every sidecar (this one too) applies every
 change from the feed, in feed order, so all of them hold the same items.
 
-The change feed is a table, ``kalos_changes``: triggers on ``kalos_memories`` and
-``kalos_state`` add a row per changed row in the same transaction as the change, numbered by
-``kalos_feed.head``: one row that every writing transaction updates, so positions are handed
+The change feed is a table, ``kalos_changes``: statement-level triggers on ``kalos_memories``
+and ``kalos_state`` add a row per changed row in the same transaction as the change, numbered
+by ``kalos_feed.head``: one row that every writing statement updates (once per statement,
+however many rows it changed), whose row lock lasts until commit, so positions are handed
 out in commit order, with no gap (a reader that sees position N has seen every position
 below it). ``pg_notify('kalos_changes')`` wakes the followers at commit. A change row names
 the row that changed (an id, or a state key), not its contents: the follower reads the row
@@ -116,41 +117,87 @@ CREATE TABLE IF NOT EXISTS kalos_state (
     value bytea NOT NULL,
     PRIMARY KEY (tenant, "user", session, key)
 );
-CREATE OR REPLACE FUNCTION kalos_record_change() RETURNS trigger LANGUAGE plpgsql AS $$
+CREATE OR REPLACE FUNCTION kalos_memories_changed() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE
-    s bigint;
+    n bigint;
+    h bigint;
 BEGIN
-    IF TG_TABLE_NAME = 'kalos_memories' THEN
-        IF TG_OP = 'DELETE' OR (TG_OP = 'UPDATE' AND OLD.id <> NEW.id) THEN
-            UPDATE kalos_feed SET head = head + 1 RETURNING head INTO s;
-            INSERT INTO kalos_changes (seq, kind, id) VALUES (s, 'm', OLD.id);
-        END IF;
-        IF TG_OP <> 'DELETE' THEN
-            UPDATE kalos_feed SET head = head + 1 RETURNING head INTO s;
-            INSERT INTO kalos_changes (seq, kind, id) VALUES (s, 'm', NEW.id);
-        END IF;
+    -- one head update per statement (not per row: a COPY of 1M rows updates it once)
+    IF TG_OP = 'INSERT' THEN
+        SELECT count(*) INTO n FROM new_rows;
+    ELSIF TG_OP = 'DELETE' THEN
+        SELECT count(*) INTO n FROM old_rows;
     ELSE
-        IF TG_OP = 'DELETE' OR (TG_OP = 'UPDATE' AND (OLD.tenant, OLD."user", OLD.session,
-                OLD.key) IS DISTINCT FROM (NEW.tenant, NEW."user", NEW.session, NEW.key)) THEN
-            UPDATE kalos_feed SET head = head + 1 RETURNING head INTO s;
-            INSERT INTO kalos_changes (seq, kind, tenant, "user", session, key)
-                VALUES (s, 's', OLD.tenant, OLD."user", OLD.session, OLD.key);
-        END IF;
-        IF TG_OP <> 'DELETE' THEN
-            UPDATE kalos_feed SET head = head + 1 RETURNING head INTO s;
-            INSERT INTO kalos_changes (seq, kind, tenant, "user", session, key)
-                VALUES (s, 's', NEW.tenant, NEW."user", NEW.session, NEW.key);
-        END IF;
+        SELECT count(*) INTO n FROM (SELECT id FROM old_rows UNION SELECT id FROM new_rows) k;
+    END IF;
+    IF n = 0 THEN
+        RETURN NULL;
+    END IF;
+    UPDATE kalos_feed SET head = head + n RETURNING head - n INTO h;
+    IF TG_OP = 'INSERT' THEN
+        INSERT INTO kalos_changes (seq, kind, id)
+            SELECT h + row_number() OVER (), 'm', id FROM new_rows;
+    ELSIF TG_OP = 'DELETE' THEN
+        INSERT INTO kalos_changes (seq, kind, id)
+            SELECT h + row_number() OVER (), 'm', id FROM old_rows;
+    ELSE
+        INSERT INTO kalos_changes (seq, kind, id)
+            SELECT h + row_number() OVER (), 'm', id
+            FROM (SELECT id FROM old_rows UNION SELECT id FROM new_rows) k;
     END IF;
     PERFORM pg_notify('kalos_changes', '');
     RETURN NULL;
 END $$;
-CREATE OR REPLACE TRIGGER kalos_memories_changes
-    AFTER INSERT OR UPDATE OR DELETE ON kalos_memories
-    FOR EACH ROW EXECUTE FUNCTION kalos_record_change();
-CREATE OR REPLACE TRIGGER kalos_state_changes
-    AFTER INSERT OR UPDATE OR DELETE ON kalos_state
-    FOR EACH ROW EXECUTE FUNCTION kalos_record_change();
+CREATE OR REPLACE FUNCTION kalos_state_changed() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    n bigint;
+    h bigint;
+BEGIN
+    IF TG_OP = 'INSERT' THEN
+        SELECT count(*) INTO n FROM new_rows;
+    ELSIF TG_OP = 'DELETE' THEN
+        SELECT count(*) INTO n FROM old_rows;
+    ELSE
+        SELECT count(*) INTO n FROM (SELECT tenant, "user", session, key FROM old_rows
+                                     UNION SELECT tenant, "user", session, key FROM new_rows) k;
+    END IF;
+    IF n = 0 THEN
+        RETURN NULL;
+    END IF;
+    UPDATE kalos_feed SET head = head + n RETURNING head - n INTO h;
+    IF TG_OP = 'INSERT' THEN
+        INSERT INTO kalos_changes (seq, kind, tenant, "user", session, key)
+            SELECT h + row_number() OVER (), 's', tenant, "user", session, key FROM new_rows;
+    ELSIF TG_OP = 'DELETE' THEN
+        INSERT INTO kalos_changes (seq, kind, tenant, "user", session, key)
+            SELECT h + row_number() OVER (), 's', tenant, "user", session, key FROM old_rows;
+    ELSE
+        INSERT INTO kalos_changes (seq, kind, tenant, "user", session, key)
+            SELECT h + row_number() OVER (), 's', k.*
+            FROM (SELECT tenant, "user", session, key FROM old_rows
+                  UNION SELECT tenant, "user", session, key FROM new_rows) k;
+    END IF;
+    PERFORM pg_notify('kalos_changes', '');
+    RETURN NULL;
+END $$;
+CREATE OR REPLACE TRIGGER kalos_memories_inserted AFTER INSERT ON kalos_memories
+    REFERENCING NEW TABLE AS new_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION kalos_memories_changed();
+CREATE OR REPLACE TRIGGER kalos_memories_updated AFTER UPDATE ON kalos_memories
+    REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION kalos_memories_changed();
+CREATE OR REPLACE TRIGGER kalos_memories_deleted AFTER DELETE ON kalos_memories
+    REFERENCING OLD TABLE AS old_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION kalos_memories_changed();
+CREATE OR REPLACE TRIGGER kalos_state_inserted AFTER INSERT ON kalos_state
+    REFERENCING NEW TABLE AS new_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION kalos_state_changed();
+CREATE OR REPLACE TRIGGER kalos_state_updated AFTER UPDATE ON kalos_state
+    REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION kalos_state_changed();
+CREATE OR REPLACE TRIGGER kalos_state_deleted AFTER DELETE ON kalos_state
+    REFERENCING OLD TABLE AS old_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION kalos_state_changed();
 """
 
 _MEMORY_COLUMNS = 'id, vector, kind, payload, tenant, "user", session, tokens, meta::text, key'
