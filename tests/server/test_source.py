@@ -315,6 +315,25 @@ def test_source_on_the_command_line_refuses_a_password() -> None:
     check_no_password("postgresql://kalos@db.example/kalos?sslmode=verify-full")
 
 
+def test_the_connection_string_comes_from_a_file_or_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kalos.cli import _source, build_parser
+
+    def source(*argv: str) -> str | None:
+        return _source(build_parser().parse_args(["serve", "--name", "x", "--dim", "4", *argv]))
+
+    monkeypatch.delenv("KALOS_SOURCE", raising=False)
+    assert source() is None
+    secret = tmp_path / "source"
+    secret.write_text("postgresql://kalos:secret@db.example/kalos?sslmode=require\n")
+    assert source("--source-file", str(secret)).endswith("sslmode=require")
+    monkeypatch.setenv("KALOS_SOURCE", "host=/run/pg dbname=kalos password=x")
+    assert source() == "host=/run/pg dbname=kalos password=x"
+    with pytest.raises(kalos.ConfigError, match="password"):
+        source("--source", "postgresql://kalos:secret@db.example/kalos")
+
+
 def test_source_excludes_data_dir() -> None:
     from kalos.server import SidecarConfig
 
