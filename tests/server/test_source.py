@@ -307,6 +307,31 @@ def test_database_restart_under_load_loses_nothing_acknowledged(
         print(f"\n{len(acked)} acknowledged, {len(refused)} refused while down, 0 lost")
 
 
+def test_readyz_and_metrics_report_the_source(
+    pg: PostgresServer, source: str, runtime_dir: str
+) -> None:
+    import json
+    import urllib.request
+
+    from kalos.server import Sidecar, SidecarConfig
+
+    cfg = SidecarConfig(name="m", dim=DIM, runtime_dir=runtime_dir, source=source, admin_port=0)
+    with Sidecar(cfg) as sc:
+        assert sc.admin is not None
+        base = f"http://127.0.0.1:{sc.admin.port}"
+        ready = json.loads(urllib.request.urlopen(base + "/readyz").read())
+        assert ready == {"ready": True, "state": "ready", "degraded": False}
+        metrics = urllib.request.urlopen(base + "/metrics").read().decode()
+        assert "kalos_source_lag 0.0" in metrics and "kalos_source_connected 1.0" in metrics
+        pg.stop()
+        try:
+            wait_for(lambda: sc.source is not None and sc.source.degraded, "degraded")
+            ready = json.loads(urllib.request.urlopen(base + "/readyz").read())
+            assert ready["degraded"] is True and ready["ready"] is True  # reads still served
+        finally:
+            pg.start()
+
+
 def test_source_on_the_command_line_refuses_a_password() -> None:
     from kalos.server.source import check_no_password
 
