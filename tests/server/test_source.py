@@ -332,6 +332,73 @@ def test_readyz_and_metrics_report_the_source(
             pg.start()
 
 
+@pytest.mark.parametrize("seed", [1, 2])
+def test_random_writes_anywhere_every_sidecar_equals_the_table(
+    source: str, runtime_dir: str, seed: int
+) -> None:
+    """Random adds, upserts, removes, state puts and deletes through random sidecars and
+    straight into the tables; then every sidecar's answers equal the tables' rows."""
+    import random
+
+    import psycopg
+
+    rng = random.Random(seed)
+    with (
+        replicas(source, runtime_dir) as clients,
+        psycopg.connect(source, autocommit=True) as sql,
+    ):
+        for step in range(150):
+            item, key = rng.randrange(40), f"k{rng.randrange(8)}"
+            c, what = rng.choice(clients), rng.random()
+            text = f"s{step}"
+            if what < 0.35:
+                c.add(vector(item)[None], [item], [text])
+            elif what < 0.5:
+                sql.execute(
+                    "INSERT INTO kalos_memories (id, vector, payload) VALUES (%s, %s, %s) "
+                    "ON CONFLICT (id) DO UPDATE SET payload = EXCLUDED.payload",
+                    (item, vector(item).tobytes(), text.encode()),
+                )
+            elif what < 0.6:
+                c.remove([item])
+            elif what < 0.65:
+                sql.execute("DELETE FROM kalos_memories WHERE id = %s", (item,))
+            elif what < 0.85:
+                c.put(key, text)
+            elif what < 0.9:
+                sql.execute(
+                    "UPDATE kalos_state SET value = %s, version = nextval('kalos_state_version') "
+                    "WHERE key = %s",
+                    (text.encode(), key),
+                )
+            else:
+                c.delete(key)
+        memories = dict(sql.execute("SELECT id, convert_from(payload, 'UTF8') FROM kalos_memories"))
+        state = {
+            k: (v, bytes(b))
+            for k, v, b in sql.execute("SELECT key, version, value FROM kalos_state")
+        }
+
+        def agrees(c: kalos.Client) -> bool:
+            if c.stats()["items"] != len(memories):
+                return False
+            if any(find(c, i) != memories.get(i) for i in range(40)):
+                return False
+            for k in (f"k{i}" for i in range(8)):
+                try:
+                    got = c.get(k)
+                except kalos.NotFound:
+                    if k in state:
+                        return False
+                    continue
+                if state.get(k) != (got.version, got.value):
+                    return False
+            return True
+
+        for c in clients:
+            wait_for(lambda c=c: agrees(c), "a sidecar equal to the tables")
+
+
 def test_source_on_the_command_line_refuses_a_password() -> None:
     from kalos.server.source import check_no_password
 
