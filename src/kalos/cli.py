@@ -19,6 +19,9 @@ def _serve(args: argparse.Namespace) -> int:
     from kalos.stores.limits import Limits
 
     config = SidecarConfig(
+        source=_source(args),
+        source_max_lag=args.source_max_lag,
+        source_retention_s=args.source_retention_s,
         name=args.name,
         dim=args.dim,
         metric=args.metric,
@@ -75,6 +78,26 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     sidecar.serve()
     return 0
+
+
+def _source(args: argparse.Namespace) -> str | None:
+    """The source database's connection string: --source (no password allowed there: the
+    command line is visible to every user of the host), else --source-file, else the
+    environment's KALOS_SOURCE; None without any. libpq reads PGPASSWORD and PGPASSFILE."""
+    import os
+
+    if args.source is not None:
+        from kalos.server.source import check_no_password
+
+        check_no_password(args.source)
+        return str(args.source)
+    if args.source_file is not None:
+        try:
+            with open(args.source_file) as f:
+                return f.read().strip()
+        except OSError as exc:
+            raise KalosError(f"--source-file: {exc}") from exc
+    return os.environ.get("KALOS_SOURCE") or None
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -228,6 +251,30 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="keep a write-ahead log and snapshots here and recover from them at start "
         "(without it the sidecar keeps everything in memory only)",
+    )
+    serve.add_argument(
+        "--source",
+        default=None,
+        help="PostgreSQL as the source of truth: postgresql://USER@HOST/DB[?sslmode=...] "
+        "(no password here: PGPASSWORD, PGPASSFILE, --source-file or KALOS_SOURCE). Memories "
+        "and state live there; every sidecar on it is a replica (docs/OPERATIONS.md)",
+    )
+    serve.add_argument(
+        "--source-file",
+        default=None,
+        help="a file holding the --source connection string (it may carry a password)",
+    )
+    serve.add_argument(
+        "--source-max-lag",
+        type=int,
+        default=0,
+        help="become ready once at most this many changes behind the source (default 0)",
+    )
+    serve.add_argument(
+        "--source-retention-s",
+        type=float,
+        default=3600.0,
+        help="keep the change feed's rows this long for followers that lag or are away",
     )
     serve.add_argument(
         "--fsync",

@@ -18,6 +18,7 @@ def add_bench_parsers(parser: argparse.ArgumentParser) -> None:
         load,
         recall,
         recovery,
+        replicas,
         search_cpu,
         search_filtered,
         search_gpu,
@@ -36,6 +37,7 @@ def add_bench_parsers(parser: argparse.ArgumentParser) -> None:
         recall,
         writes,
         recovery,
+        replicas,
         stress,
         async_client,
     ):

@@ -160,6 +160,7 @@ class SidecarCollector:
         yield channels
         yield from self._store_families()
         yield from self._durability_families()
+        yield from self._source_families()
         yield from self._gpu_families()
         yield from self._batch_families()
 
@@ -213,6 +214,37 @@ class SidecarCollector:
                 "Session index tables rebuilt to drop deleted slots",
                 value=stats["session_index_rebuilds"],
             )
+
+    def _source_families(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        source = getattr(self._sidecar, "source", None)
+        if source is None:
+            return
+        st = source.stats()
+        yield GaugeMetricFamily(
+            "kalos_source_connected", "1 while the follower reaches the source database",
+            value=int(st["connected"]),
+        )  # fmt: skip
+        yield GaugeMetricFamily(
+            "kalos_source_degraded", "1 while writes fail (the source database is unreachable)",
+            value=int(st["degraded"]),
+        )  # fmt: skip
+        yield GaugeMetricFamily(
+            "kalos_source_applied", "Change-feed position applied here", value=st["applied"]
+        )
+        yield GaugeMetricFamily(
+            "kalos_source_lag", "Changes committed in the database, not yet applied here",
+            value=st["lag"],
+        )  # fmt: skip
+        for name, what in (
+            ("applied_changes", "Changes applied from the feed"),
+            ("apply_errors", "Changed rows left out (e.g. a vector of another dimension)"),
+            ("refused_writes", "Writes the source database did not commit"),
+            ("reconnects", "Reconnections to the source database"),
+            ("reloads", "Full reloads (the feed no longer held this sidecar's position)"),
+        ):
+            yield CounterMetricFamily(f"kalos_source_{name}", what, value=st[name])
 
     def _durability_families(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -422,7 +454,11 @@ class AdminServer:
 
         def readyz() -> tuple[int, str, bytes]:
             state = control_state(sidecar)
-            body = (json.dumps({"ready": state == "ready", "state": state}) + "\n").encode()
+            doc: dict[str, Any] = {"ready": state == "ready", "state": state}
+            source = getattr(sidecar, "source", None)
+            if source is not None:  # reads still served; writes fail until it reconnects
+                doc["degraded"] = source.degraded
+            body = (json.dumps(doc) + "\n").encode()
             return (200 if state == "ready" else 503), "application/json", body
 
         def metrics() -> tuple[int, str, bytes]:

@@ -35,7 +35,7 @@ from kalos.shm.memory import SharedMemory, create
 
 if TYPE_CHECKING:
     from kalos.server.doorbell import Doorbell
-    from kalos.server.durability import Durability
+    from kalos.server.durability import Journal
     from kalos.server.request_stats import RequestStats
 
 log = logging.getLogger("kalos.server")
@@ -111,7 +111,7 @@ class Poller:
         *,
         spin_us: float,
         heartbeat_ms: float,
-        journal: Durability | None = None,
+        journal: Journal | None = None,
         handle_batch=None,
         batch_delay_us: float = 0.0,
         batch_max: int = 64,

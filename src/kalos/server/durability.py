@@ -83,6 +83,25 @@ IDENTITY_FILE = "identity.json"
 REPLAY_KEYS = frozenset({"tokenizer"})
 
 
+class Journal(Protocol):
+    """What the poller and the uds and grpc threads call around a write's dispatch:
+    :class:`Durability` (the local log), or :class:`~kalos.server.source.Source` (PostgreSQL)."""
+
+    last_lsn: int
+
+    def commit(self) -> None: ...
+
+    def outcome(self, lsn: int) -> Literal[True] | str | None: ...
+
+    def wait(self, lsn: int) -> Literal[True] | str: ...
+
+    def sync(self) -> None: ...
+
+    def snapshot_due(self) -> bool: ...
+
+    def snapshot(self, *, background: bool = True) -> Any: ...
+
+
 class Snapshotting(Protocol):
     """A store whose whole state a snapshot can write and a recovery read back."""
 

@@ -50,7 +50,7 @@ from kalos.transport.grpc import SERVICE, message_limits
 
 if TYPE_CHECKING:
     from kalos.server.combiner import Combiner
-    from kalos.server.durability import Durability
+    from kalos.server.durability import Journal
     from kalos.server.request_stats import Metrics, RequestStats
 
 log = logging.getLogger("kalos.server")
@@ -106,7 +106,7 @@ class GrpcServer:
         lock: threading.Lock,
         negotiate: Callable[..., dict[str, Any]],
         ready: threading.Event,
-        journal: Durability | None = None,
+        journal: Journal | None = None,
         metrics: Metrics | None = None,
         rejected: collections.Counter[str] | None = None,
     ) -> None:

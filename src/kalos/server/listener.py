@@ -39,7 +39,7 @@ from kalos.transport.handshake import recv_message, send_message
 from kalos.transport.uds import recv_exactly
 
 if TYPE_CHECKING:
-    from kalos.server.durability import Durability
+    from kalos.server.durability import Journal
     from kalos.server.request_stats import Metrics, RequestStats
     from kalos.stores.session_index import SessionIndex
     from kalos.stores.token_heap import TokenHeap
@@ -71,7 +71,7 @@ class Listener:
         handle: Callable[..., tuple[int, int, int, int]],
         lock: threading.Lock,
         info: Callable[[], dict[str, Any]],
-        journal: Durability | None = None,
+        journal: Journal | None = None,
     ) -> None:
         self.config = config
         self.path = path

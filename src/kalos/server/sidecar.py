@@ -39,8 +39,9 @@ if TYPE_CHECKING:
     from kalos.server.admin import AdminServer
     from kalos.server.gpu_search import GpuSearch
     from kalos.server.grpc_server import GrpcServer
+    from kalos.server.source import Source
 from kalos.server.dispatch import Dispatcher
-from kalos.server.durability import Durability
+from kalos.server.durability import Durability, Journal
 from kalos.server.listener import Listener
 from kalos.shm.memory import SharedMemory, create
 from kalos.stores.memories import MemoryStore
@@ -204,6 +205,22 @@ class Sidecar:
                 fork=not config.device.startswith("cuda"),  # CUDA does not survive a fork
             )
             handle = self.durability.handle
+        # With a source database, writes commit there and a follower applies the feed.
+        self.source: Source | None = None
+        if config.source is not None:
+            from kalos.server.source import Source
+
+            self.source = Source(
+                config.source,
+                self.dispatcher,
+                self.lock,
+                name=config.name,
+                max_lag=config.source_max_lag,
+                retention_s=config.source_retention_s,
+            )
+            handle = self.source.handle
+        journal: Journal | None = self.source if self.source is not None else self.durability
+        self._journal = journal
         self._control_fd = create("kalos-control", L.CONTROL_SIZE)
         self.control = SharedMemory(self._control_fd, L.CONTROL_SIZE)
         L.CTRL_HEADER.pack_into(
@@ -227,7 +244,7 @@ class Sidecar:
             self.lock,
             spin_us=config.spin_us,
             heartbeat_ms=config.heartbeat_ms,
-            journal=self.durability,
+            journal=journal,
             handle_batch=self.dispatcher.handle_batch if config.batch_max > 1 else None,
             batch_delay_us=config.batch_delay_us,
             batch_max=config.batch_max,
@@ -236,6 +253,8 @@ class Sidecar:
             self.poller.doorbell = self.gpu.doorbell
         if self.durability is not None:
             self.durability.on_durable = self.poller.wake  # a commit landed: release writes
+        if self.source is not None:
+            self.source.on_durable = self.poller.wake  # the follower applied: release writes
         self._handle = handle
         # uds connections' and grpc handlers' searches batch among themselves (server.combiner)
         self.combiner: Combiner | None = None
@@ -273,6 +292,7 @@ class Sidecar:
             "warm_seconds": self.warm_seconds,
             "grpc": list(self.grpc.addresses) if self.grpc is not None else [],
             **({"durability": self.durability.stats()} if self.durability is not None else {}),
+            **({"source": self.source.stats()} if self.source is not None else {}),
             **(door.stats() if (door := self.poller.doorbell) is not None else {}),
         }
 
@@ -301,7 +321,7 @@ class Sidecar:
             self._handle,
             self.lock,
             self.dispatcher.info,
-            journal=self.durability,
+            journal=self._journal,
         )
         self.listener.gpu = self.gpu
         self.listener.combiner = self.combiner
@@ -317,9 +337,12 @@ class Sidecar:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.path)
                 raise
-        if self.durability is not None:
-            try:
-                self.durability.recover()  # clients are held, then refused "starting", meanwhile
+        if self.durability is not None or self.source is not None:
+            try:  # clients are held, then refused "starting", meanwhile
+                if self.durability is not None:
+                    self.durability.recover()
+                if self.source is not None:  # load the tables, follow, wait to catch up
+                    self.source.recover(stop=lambda: self.poller.stopping)
             except BaseException:
                 if self.grpc is not None:
                     self.grpc.close()
@@ -374,7 +397,7 @@ class Sidecar:
             lock=self.lock,
             negotiate=listener.negotiate,
             ready=listener.ready,
-            journal=self.durability,
+            journal=self._journal,
             metrics=self.admin.metrics if self.admin is not None else None,
             rejected=listener.rejected,
         )
@@ -426,6 +449,8 @@ class Sidecar:
         if self.durability is not None:
             # a last snapshot if it fits the budget, then the log closes
             finished = self.durability.close(timeout=max(0.5, deadline - time.monotonic()))
+        if self.source is not None:
+            self.source.close(timeout=max(0.5, deadline - time.monotonic()))
         if self.admin is not None:
             self.admin.close()
         if finished:  # else a snapshot writer may still read them: they go with the process

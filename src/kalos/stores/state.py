@@ -109,6 +109,24 @@ class StateStore:
         self._value_bytes += len(value)
         return self.revision
 
+    def check(self, scope: Scope | None, key: str, value: bytes) -> tuple[Namespace, str, bytes]:
+        """(namespace, key, value) of a put, checked against the limits; changes nothing."""
+        k = self._key(scope, key)
+        return k[:3], key, self._check_value(value)
+
+    def apply(self, ns: Namespace, key: str, version: int, value: bytes | None) -> None:
+        """Sets ``key`` in ``ns`` to ``value`` at ``version`` as another store decided it (a
+        replica following its source), or deletes it (``value`` None). Later versions this
+        store hands out stay above ``version``."""
+        k = (*ns, key)
+        old = self._values.pop(k, None)
+        if old is not None:
+            self._value_bytes -= len(old.value)
+        if value is not None:
+            self._values[k] = StateValue(version, value)
+            self._value_bytes += len(value)
+            self.revision = max(self.revision, version)
+
     def delete(self, scope: Scope | None, key: str) -> bool:
         """Deletes ``key``; returns whether it existed."""
         old = self._values.pop(self._key(scope, key), None)

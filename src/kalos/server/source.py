@@ -1,0 +1,844 @@
+"""PostgreSQL as the source of truth: every sidecar on the database a live replica.
+
+With ``kalos serve --source postgresql://...`` memories and agent state live in PostgreSQL
+(the tables below, created on first start); the sidecar's index is a replica that any number
+of sidecars, on any number of hosts, keep of the same tables. :class:`Source` stands where
+:class:`~kalos.server.durability.Durability` stands without a database (the poller's and the
+uds and grpc threads' ``journal``), and replaces the local write-ahead log for memories and
+state.
+
+A write (ADD, REMOVE, FORGET, STATE_PUT, STATE_CAS, STATE_DELETE) is not applied to the local
+stores by the request: :meth:`Source.handle` runs it as one PostgreSQL transaction and
+commits it, and sets :attr:`Source.last_lsn` to the change-feed position of the commit. The
+response is published once this sidecar's follower has applied the feed through that
+position (:meth:`outcome`, :meth:`wait`): an acknowledged write is committed in PostgreSQL
+and visible in this sidecar's own searches. Every sidecar (this one too) applies every
+change from the feed, in feed order, so all of them hold the same items.
+
+The change feed is a table, ``kalos_changes``: statement-level triggers on ``kalos_memories``
+and ``kalos_state`` add a row per changed row in the same transaction as the change, numbered
+by ``kalos_feed.head``: one row that every writing statement updates (once per statement,
+however many rows it changed), whose row lock lasts until commit, so positions are handed
+out in commit order, with no gap (a reader that sees position N has seen every position
+below it). ``pg_notify('kalos_changes')`` wakes the followers at commit. A change row names
+the row that changed (an id, or a state key), not its contents: the follower reads the row
+as it is now (LEFT JOIN) and upserts it, or deletes it locally where it is gone. Applying
+the current row is idempotent, so a sidecar that reads a row already changed again by a later
+position converges as well. Rows written by any program (psql, an application's own INSERT)
+fire the same triggers and reach every sidecar.
+
+Retention: each follower records its position in ``kalos_followers`` every second; change
+rows older than ``retention_s`` that every follower seen within ``retention_s`` has applied
+are deleted (by any follower, every few seconds). A follower gone longer than
+``retention_s`` no longer holds rows back; when it returns and finds the rows after its
+position gone, it reloads the tables.
+
+Sessions and event logs stay local to the sidecar (in memory) with ``--source``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Literal
+
+import numpy as np
+
+from kalos import filters
+from kalos.errors import ConfigError, Conflict, InvalidRequest, KalosError
+from kalos.protocol import codes
+from kalos.protocol import messages as M
+from kalos.protocol.codes import Op, Status
+from kalos.server.dispatch import WRITE_OPS, Dispatcher, status_for
+from kalos.types import Scope
+
+log = logging.getLogger("kalos.source")
+
+CHANNEL = "kalos_changes"  # the LISTEN/NOTIFY channel
+BATCH_ROWS = 5000  # change rows read per query
+COPY_CHUNK = 4096  # rows applied per store call at bootstrap
+DEFAULT_RETENTION_S = 3600.0
+DEFAULT_MAX_LAG = 0  # feed positions a sidecar may be behind and still become ready
+# A committed write not applied here by then (or when the follower lost the database) is
+# answered with an error: below the clients' default deadline (5 s), so they hear why.
+APPLY_WAIT_S = 2.0
+RECONNECT_S = 0.5  # between reconnection attempts
+# A write's transaction runs on the thread serving it, under the dispatch lock: these bound
+# how long an unreachable database can hold that thread (and the reads behind it).
+CONNECT_TIMEOUT_S = 2
+STATEMENT_TIMEOUT_MS = 5000
+PRUNE_EVERY_S = 5.0
+SOURCE_OPS = frozenset(
+    int(o) for o in (Op.ADD, Op.REMOVE, Op.FORGET, Op.STATE_PUT, Op.STATE_CAS, Op.STATE_DELETE)
+)
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS kalos_feed (
+    one boolean PRIMARY KEY DEFAULT true CHECK (one),
+    head bigint NOT NULL
+);
+INSERT INTO kalos_feed VALUES (true, 0) ON CONFLICT DO NOTHING;
+CREATE TABLE IF NOT EXISTS kalos_changes (
+    seq bigint PRIMARY KEY,
+    at timestamptz NOT NULL DEFAULT now(),
+    kind "char" NOT NULL,
+    id bigint,
+    tenant text, "user" text, session text, key text
+);
+CREATE TABLE IF NOT EXISTS kalos_followers (
+    name text PRIMARY KEY,
+    applied bigint NOT NULL,
+    seen timestamptz NOT NULL DEFAULT now()
+);
+CREATE TABLE IF NOT EXISTS kalos_memories (
+    id bigint PRIMARY KEY,
+    vector bytea NOT NULL,
+    kind smallint NOT NULL DEFAULT 1,
+    payload bytea NOT NULL DEFAULT '',
+    tenant text NOT NULL DEFAULT '',
+    "user" text NOT NULL DEFAULT '',
+    session text NOT NULL DEFAULT '',
+    tokens bytea,
+    meta jsonb,
+    key text
+);
+CREATE SEQUENCE IF NOT EXISTS kalos_state_version;
+CREATE TABLE IF NOT EXISTS kalos_state (
+    tenant text NOT NULL DEFAULT '',
+    "user" text NOT NULL DEFAULT '',
+    session text NOT NULL DEFAULT '',
+    key text NOT NULL,
+    version bigint NOT NULL DEFAULT nextval('kalos_state_version'),
+    value bytea NOT NULL,
+    PRIMARY KEY (tenant, "user", session, key)
+);
+CREATE OR REPLACE FUNCTION kalos_memories_changed() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    n bigint;
+    h bigint;
+BEGIN
+    -- one head update per statement (not per row: a COPY of 1M rows updates it once)
+    IF TG_OP = 'INSERT' THEN
+        SELECT count(*) INTO n FROM new_rows;
+    ELSIF TG_OP = 'DELETE' THEN
+        SELECT count(*) INTO n FROM old_rows;
+    ELSE
+        SELECT count(*) INTO n FROM (SELECT id FROM old_rows UNION SELECT id FROM new_rows) k;
+    END IF;
+    IF n = 0 THEN
+        RETURN NULL;
+    END IF;
+    UPDATE kalos_feed SET head = head + n RETURNING head - n INTO h;
+    IF TG_OP = 'INSERT' THEN
+        INSERT INTO kalos_changes (seq, kind, id)
+            SELECT h + row_number() OVER (), 'm', id FROM new_rows;
+    ELSIF TG_OP = 'DELETE' THEN
+        INSERT INTO kalos_changes (seq, kind, id)
+            SELECT h + row_number() OVER (), 'm', id FROM old_rows;
+    ELSE
+        INSERT INTO kalos_changes (seq, kind, id)
+            SELECT h + row_number() OVER (), 'm', id
+            FROM (SELECT id FROM old_rows UNION SELECT id FROM new_rows) k;
+    END IF;
+    PERFORM pg_notify('kalos_changes', '');
+    RETURN NULL;
+END $$;
+CREATE OR REPLACE FUNCTION kalos_state_changed() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    n bigint;
+    h bigint;
+BEGIN
+    IF TG_OP = 'INSERT' THEN
+        SELECT count(*) INTO n FROM new_rows;
+    ELSIF TG_OP = 'DELETE' THEN
+        SELECT count(*) INTO n FROM old_rows;
+    ELSE
+        SELECT count(*) INTO n FROM (SELECT tenant, "user", session, key FROM old_rows
+                                     UNION SELECT tenant, "user", session, key FROM new_rows) k;
+    END IF;
+    IF n = 0 THEN
+        RETURN NULL;
+    END IF;
+    UPDATE kalos_feed SET head = head + n RETURNING head - n INTO h;
+    IF TG_OP = 'INSERT' THEN
+        INSERT INTO kalos_changes (seq, kind, tenant, "user", session, key)
+            SELECT h + row_number() OVER (), 's', tenant, "user", session, key FROM new_rows;
+    ELSIF TG_OP = 'DELETE' THEN
+        INSERT INTO kalos_changes (seq, kind, tenant, "user", session, key)
+            SELECT h + row_number() OVER (), 's', tenant, "user", session, key FROM old_rows;
+    ELSE
+        INSERT INTO kalos_changes (seq, kind, tenant, "user", session, key)
+            SELECT h + row_number() OVER (), 's', k.*
+            FROM (SELECT tenant, "user", session, key FROM old_rows
+                  UNION SELECT tenant, "user", session, key FROM new_rows) k;
+    END IF;
+    PERFORM pg_notify('kalos_changes', '');
+    RETURN NULL;
+END $$;
+CREATE OR REPLACE TRIGGER kalos_memories_inserted AFTER INSERT ON kalos_memories
+    REFERENCING NEW TABLE AS new_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION kalos_memories_changed();
+CREATE OR REPLACE TRIGGER kalos_memories_updated AFTER UPDATE ON kalos_memories
+    REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION kalos_memories_changed();
+CREATE OR REPLACE TRIGGER kalos_memories_deleted AFTER DELETE ON kalos_memories
+    REFERENCING OLD TABLE AS old_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION kalos_memories_changed();
+CREATE OR REPLACE TRIGGER kalos_state_inserted AFTER INSERT ON kalos_state
+    REFERENCING NEW TABLE AS new_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION kalos_state_changed();
+CREATE OR REPLACE TRIGGER kalos_state_updated AFTER UPDATE ON kalos_state
+    REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION kalos_state_changed();
+CREATE OR REPLACE TRIGGER kalos_state_deleted AFTER DELETE ON kalos_state
+    REFERENCING OLD TABLE AS old_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION kalos_state_changed();
+"""
+
+_MEMORY_COLUMNS = 'id, vector, kind, payload, tenant, "user", session, tokens, meta::text, key'
+_CHANGES = f"""
+SELECT c.seq, c.kind, c.id, c.tenant, c."user", c.session, c.key,
+       m.id IS NOT NULL, m.vector, m.kind, m.payload, m.tenant, m."user", m.session, m.tokens,
+       m.meta::text, m.key, s.version, s.value
+FROM kalos_changes c
+LEFT JOIN kalos_memories m ON c.kind = 'm' AND m.id = c.id
+LEFT JOIN kalos_state s ON c.kind = 's' AND s.tenant = c.tenant AND s."user" = c."user"
+    AND s.session = c.session AND s.key = c.key
+WHERE c.seq > %s ORDER BY c.seq LIMIT {BATCH_ROWS}
+"""
+_PRUNE = """
+DELETE FROM kalos_changes WHERE at < now() - make_interval(secs => %(r)s)
+    AND seq <= coalesce((SELECT min(applied) FROM kalos_followers
+                         WHERE seen > now() - make_interval(secs => %(r)s)), 0)
+"""
+
+
+def _psycopg() -> Any:
+    try:
+        import psycopg
+    except ImportError as exc:
+        raise ConfigError("--source needs psycopg: pip install 'kalos[postgres]'") from exc
+    return psycopg
+
+
+def redact(conninfo: str) -> str:
+    """``conninfo`` without its password (for logs and stats)."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        parts = conninfo_to_dict(conninfo)
+    except Exception:
+        return "postgresql://?"
+    parts.pop("password", None)
+    return " ".join(f"{k}={v}" for k, v in sorted(parts.items()) if v is not None)
+
+
+def check_no_password(conninfo: str) -> None:
+    """ConfigError when a connection string given on the command line carries a password."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        parts = conninfo_to_dict(conninfo)
+    except Exception as exc:
+        raise ConfigError(f"--source is not a PostgreSQL connection string: {exc}") from None
+    if parts.get("password"):
+        raise ConfigError(
+            "--source must not carry a password (the command line is visible to every "
+            "user of the host): use --source-file, KALOS_SOURCE, PGPASSWORD or PGPASSFILE"
+        )
+
+
+def _scope(tenant: str | None, user: str | None, session: str | None) -> Scope:
+    return Scope(tenant or None, user or None, session or None)
+
+
+def _where(scope: Scope) -> tuple[str, list[str]]:
+    """A WHERE clause matching ``scope`` (each given field equal), and its parameters."""
+    clauses, params = [], []
+    for column, value in zip(("tenant", '"user"', "session"), scope, strict=True):
+        if value is not None:
+            clauses.append(f"{column} = %s")
+            params.append(value)
+    return " AND ".join(clauses) or "true", params
+
+
+class SourceUnavailable(KalosError):
+    """The source database did not answer (or failed) a write: nothing was acknowledged."""
+
+
+class Source:
+    """A sidecar's link to its PostgreSQL source (see the module docstring).
+
+    Implements the journal interface of :class:`~kalos.server.durability.Durability`:
+    ``handle`` under the dispatch ``lock``, then :attr:`last_lsn` (a feed position, or 0) and
+    :meth:`outcome` / :meth:`wait` before a write's response is published.
+    """
+
+    def __init__(
+        self,
+        conninfo: str,
+        dispatcher: Dispatcher,
+        lock: threading.Lock,
+        *,
+        name: str = "default",
+        max_lag: int = DEFAULT_MAX_LAG,
+        retention_s: float = DEFAULT_RETENTION_S,
+        apply_wait_s: float = APPLY_WAIT_S,
+    ) -> None:
+        self._psycopg = _psycopg()
+        self._conninfo = conninfo
+        self.where = redact(conninfo)
+        self.dispatcher = dispatcher
+        self.lock = lock
+        self.follower = f"{socket.gethostname()}/{name}"
+        self.max_lag = max_lag
+        self.retention_s = retention_s
+        self.apply_wait_s = apply_wait_s
+        self.last_lsn = 0
+        self.applied = 0  # the feed position applied to the local stores
+        self.head = 0  # the newest feed position seen in the database
+        self.on_durable: Callable[[], None] | None = None
+        self._writer: Any = None  # the connection writes go through (under the lock)
+        self._applied_cv = threading.Condition()
+        self._pending: dict[int, float] = {}  # poller's held positions -> their deadline
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.connected = False  # the follower's connection is up
+        self.writer_error: str | None = None  # the last write's connection failure
+        self.loaded_rows = 0
+        self.bootstrap_s = 0.0
+        self.reloads = 0
+        self.applied_changes = 0
+        self.apply_errors = 0
+        self.refused_writes = 0
+        self.pruned = 0
+        self.reconnects = 0
+
+    # -- connections ---------------------------------------------------------------------------
+
+    def _connect(self, autocommit: bool = False, *, writer: bool = False) -> Any:
+        conn = self._psycopg.connect(
+            self._conninfo,
+            autocommit=autocommit,
+            connect_timeout=CONNECT_TIMEOUT_S,
+            tcp_user_timeout=STATEMENT_TIMEOUT_MS,  # unacknowledged TCP data: give up
+            keepalives=1,
+            keepalives_idle=5,
+            keepalives_interval=2,
+            keepalives_count=2,
+        )
+        if writer:  # not the follower's: a bootstrap's COPY may take minutes
+            conn.execute(f"SET statement_timeout = {STATEMENT_TIMEOUT_MS}")
+            conn.commit()
+        return conn
+
+    @property
+    def degraded(self) -> bool:
+        """Reads are served, but the database is not reachable (writes fail meanwhile)."""
+        return not self.connected or self.writer_error is not None
+
+    # -- journal interface ---------------------------------------------------------------------
+
+    def handle(
+        self, op: int, flags: int, body: np.ndarray, out: np.ndarray, **options: Any
+    ) -> tuple[int, int, int, int]:
+        """Dispatcher.handle, except that a memory or state write is committed in PostgreSQL
+        (and applied by the follower) instead of applied here. Called under the lock."""
+        self.last_lsn = 0
+        if op not in WRITE_OPS:
+            return self.dispatcher.handle(op, flags, body, out, **options)
+        if op not in SOURCE_OPS:  # sessions and event logs stay local
+            return self.dispatcher.handle(op, flags, body, out, **options)
+        t0 = time.monotonic_ns()
+        try:
+            n, lsn = self._write(op, flags, body, out)
+        except KalosError as exc:
+            return status_for(exc), M.encode_text(out, str(exc)), time.monotonic_ns() - t0, 0
+        except Exception as exc:  # a bug, never a traceback on the wire
+            log.exception("a write through the source failed")
+            msg = f"{type(exc).__name__}: {exc}"
+            return Status.SERVER_ERROR, M.encode_text(out, msg), time.monotonic_ns() - t0, 0
+        self.last_lsn = lsn
+        if lsn > self.applied:
+            self._pending[lsn] = time.monotonic() + self.apply_wait_s
+        return Status.OK, n, time.monotonic_ns() - t0, 0
+
+    def commit(self) -> None:
+        """Nothing to do: :meth:`handle` commits each write."""
+
+    def sync(self) -> None:
+        """Nothing to do: every acknowledged write is committed in PostgreSQL."""
+
+    def snapshot_due(self) -> bool:
+        return False
+
+    def snapshot(self, *, background: bool = True) -> None:
+        return None
+
+    def outcome(self, lsn: int) -> Literal[True] | str | None:
+        """True once the follower applied position ``lsn``; a message when it has not within
+        ``apply_wait_s`` (the write is committed, but not acknowledged); None meanwhile."""
+        if self.applied >= lsn:
+            self._pending.pop(lsn, None)
+            return True
+        deadline = self._pending.get(lsn)
+        if deadline is not None and (not self.connected or time.monotonic() > deadline):
+            del self._pending[lsn]
+            return self._late(lsn)
+        return None
+
+    def wait(self, lsn: int) -> Literal[True] | str:
+        """Blocks until the follower applied position ``lsn`` (True) or ``apply_wait_s``
+        passed (a message)."""
+        self._pending.pop(lsn, None)
+        deadline = time.monotonic() + self.apply_wait_s
+        with self._applied_cv:
+            while self.applied < lsn:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self.connected:
+                    return self._late(lsn)
+                self._applied_cv.wait(left)
+        return True
+
+    def _late(self, lsn: int) -> str:
+        return (
+            f"the write was committed in the source database (position {lsn}) but this "
+            f"sidecar has not applied it yet (applied through {self.applied}: it lags, or "
+            "lost the database); it will appear once the sidecar catches up"
+        )
+
+    # -- writes --------------------------------------------------------------------------------
+
+    def _write(self, op: int, flags: int, body: np.ndarray, out: np.ndarray) -> tuple[int, int]:
+        """Runs one write as a transaction; returns (response length, feed position)."""
+        request = self._prepare(op, flags, body)  # validation first: no connection needed
+        if not self.connected:  # the follower lost the database: fail fast, hold no one up
+            self.refused_writes += 1
+            raise SourceUnavailable(
+                "the write was not acknowledged: the source database is unreachable (reconnecting)"
+            )
+        conn = self._writer
+        try:
+            if conn is None or conn.closed:
+                conn = self._writer = self._connect(writer=True)
+            with conn.transaction(), conn.cursor() as cur:
+                n = request(cur, out)
+                cur.execute("SELECT head FROM kalos_feed")
+                lsn = int(cur.fetchone()[0])
+        except KalosError:
+            raise
+        except self._psycopg.Error as exc:
+            self.refused_writes += 1
+            # A failed connection may be left mid-pipeline (executemany): never reuse one.
+            if conn is not None:
+                if conn.closed or conn.broken:
+                    self.writer_error = str(exc).strip() or type(exc).__name__
+                with contextlib.suppress(Exception):
+                    conn.close()
+                self._writer = None
+            raise SourceUnavailable(
+                "the write was not acknowledged: the source database failed it "
+                f"({type(exc).__name__}: {str(exc).strip()})"
+            ) from exc
+        self.writer_error = None
+        return n, lsn
+
+    def _prepare(self, op: int, flags: int, body: np.ndarray) -> Callable[[Any, np.ndarray], int]:
+        """Decodes and checks a write; returns what runs it in a transaction."""
+        end = len(body)
+        memories, state = self.dispatcher.memories, self.dispatcher.state
+        if op == Op.ADD:
+            req = M.decode_add(body, end, flags)
+            vectors = np.ascontiguousarray(req.vectors, np.float32)
+            memories.check_vectors(vectors, "a vector")
+            if bool((req.ids == -1).any()):
+                raise InvalidRequest("id -1 is reserved for 'no result'")
+            tenant, user, session = (f or "" for f in req.scope)
+            bounds = req.offsets.tolist()
+            blob = req.blob.tobytes()
+            rows = []
+            for i, item in enumerate(req.ids.tolist()):
+                tokens = None if req.tokens is None else req.tokens[i]
+                meta = None if req.meta is None else req.meta[i]
+                rows.append((
+                    item, vectors[i].tobytes(), int(req.kinds[i]), blob[bounds[i] : bounds[i + 1]],
+                    tenant, user, session,
+                    None if tokens is None else np.ascontiguousarray(tokens, "<i4").tobytes(),
+                    None if meta is None else json.dumps(meta),
+                    None if req.keys is None else req.keys[i],
+                ))  # fmt: skip
+
+            def add(cur: Any, out: np.ndarray) -> int:
+                cur.executemany(
+                    "INSERT INTO kalos_memories AS m (id, vector, kind, payload, tenant, "
+                    '"user", session, tokens, meta, key) VALUES (%s, %s, %s, %s, %s, %s, %s, '
+                    "%s, %s, %s) ON CONFLICT (id) DO UPDATE SET vector = EXCLUDED.vector, "
+                    "kind = EXCLUDED.kind, payload = EXCLUDED.payload, tenant = EXCLUDED.tenant,"
+                    ' "user" = EXCLUDED."user", session = EXCLUDED.session, '
+                    "tokens = EXCLUDED.tokens, meta = EXCLUDED.meta, key = EXCLUDED.key "
+                    "RETURNING (xmax = 0)",
+                    rows,
+                    returning=True,
+                )
+                added = 0
+                while True:
+                    added += int(bool(cur.fetchone()[0]))
+                    if not cur.nextset():
+                        break
+                return M.encode_counts(out, added, len(rows) - added)
+
+            return add
+        if op == Op.REMOVE:
+            ids = M.decode_remove(body, end).tolist()
+
+            def remove(cur: Any, out: np.ndarray) -> int:
+                cur.execute("DELETE FROM kalos_memories WHERE id = ANY(%s)", (ids,))
+                return M.encode_counts(out, cur.rowcount)
+
+            return remove
+        if op == Op.FORGET:
+            return self._prepare_forget(flags, body)
+        if op in (Op.STATE_PUT, Op.STATE_CAS):
+            sv = M.decode_state_value(body, end)
+            ns, key, value = state.check(sv.scope, sv.key, sv.value)
+            if op == Op.STATE_CAS and sv.expected_version < 0:
+                raise InvalidRequest(f"expected_version must be >= 0, got {sv.expected_version}")
+            expected = sv.expected_version if op == Op.STATE_CAS else None
+
+            def put(cur: Any, out: np.ndarray) -> int:
+                pk = (*ns, key)
+                if expected is None:
+                    cur.execute(
+                        'INSERT INTO kalos_state (tenant, "user", session, key, value) VALUES '
+                        '(%s, %s, %s, %s, %s) ON CONFLICT (tenant, "user", session, key) DO '
+                        "UPDATE SET value = EXCLUDED.value, "
+                        "version = nextval('kalos_state_version') RETURNING version",
+                        (*pk, value),
+                    )
+                elif expected == 0:
+                    cur.execute(
+                        'INSERT INTO kalos_state (tenant, "user", session, key, value) VALUES '
+                        "(%s, %s, %s, %s, %s) ON CONFLICT DO NOTHING RETURNING version",
+                        (*pk, value),
+                    )
+                else:
+                    cur.execute(
+                        "UPDATE kalos_state SET value = %s, version = "
+                        "nextval('kalos_state_version') WHERE tenant = %s AND \"user\" = %s AND "
+                        "session = %s AND key = %s AND version = %s RETURNING version",
+                        (value, *pk, expected),
+                    )
+                row = cur.fetchone()
+                if row is None:
+                    cur.execute(
+                        'SELECT version FROM kalos_state WHERE tenant = %s AND "user" = %s AND '
+                        "session = %s AND key = %s",
+                        pk,
+                    )
+                    have = cur.fetchone()
+                    now = "does not exist" if have is None else f"is at version {have[0]}"
+                    raise Conflict(f"state key {key!r} {now}, not {expected}")
+                return M.encode_counts(out, int(row[0]))
+
+            return put
+        if op == Op.STATE_DELETE:
+            scope, key = M.decode_state_key(body, end)
+            ns, key, _ = state.check(scope, key, b"")
+
+            def delete(cur: Any, out: np.ndarray) -> int:
+                cur.execute(
+                    'DELETE FROM kalos_state WHERE tenant = %s AND "user" = %s AND session = %s '
+                    "AND key = %s",
+                    (*ns, key),
+                )
+                return M.encode_counts(out, int(cur.rowcount > 0))
+
+            return delete
+        raise InvalidRequest(f"op {op} is not a source write")
+
+    def _prepare_forget(self, flags: int, body: np.ndarray) -> Callable[[Any, np.ndarray], int]:
+        dispatcher = self.dispatcher
+        _, _, scope, off = M.decode_scoped(body, len(body))
+        if flags & codes.FORGET_FILTER:  # the matching ids, from this replica's metadata
+            where = filters.parse(M.decode_filter_at(body, off, len(body)))
+            memories = dispatcher.memories
+            ids = np.intersect1d(
+                memories.ids_in_scope(scope), memories.metadata.matching(where), assume_unique=True
+            ).tolist()
+
+            def forget_ids(cur: Any, out: np.ndarray) -> int:
+                cur.execute("DELETE FROM kalos_memories WHERE id = ANY(%s)", (ids,))
+                return M.encode_forgotten(out, (cur.rowcount, 0, 0, 0))
+
+            return forget_ids
+        if not any(scope):
+            raise InvalidRequest("forget needs a scope: a tenant, a user or a session")
+        clause, params = _where(scope)
+
+        def forget(cur: Any, out: np.ndarray) -> int:
+            cur.execute(f"DELETE FROM kalos_memories WHERE {clause}", params)
+            items = cur.rowcount
+            cur.execute(f"DELETE FROM kalos_state WHERE {clause}", params)
+            values = cur.rowcount
+            # sessions and event logs are local: forgotten here (the lock is held)
+            sessions = dispatcher.sessions.forget(scope)
+            _, logs = dispatcher.state.forget(scope)
+            return M.encode_forgotten(out, (items, sessions, values, logs))
+
+        return forget
+
+    # -- bootstrap and follow ------------------------------------------------------------------
+
+    def recover(self, stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+        """Before readiness: creates the schema, loads the tables, starts following, and waits
+        until the follower is within ``max_lag`` positions of the feed's head."""
+        t0 = time.perf_counter()
+        with self._connect(autocommit=True) as conn:
+            with conn.transaction():
+                # one sidecar at a time runs the DDL (CREATE ... IF NOT EXISTS races otherwise)
+                conn.execute("SELECT pg_advisory_xact_lock(hashtext('kalos_schema'))")
+                conn.execute(SCHEMA)
+            self._load(conn)
+        self.connected = True
+        self._thread = threading.Thread(target=self._follow, name="kalos-follower", daemon=True)
+        self._thread.start()
+        while self.head - self.applied > self.max_lag or not self.connected:
+            if stop() or self._stopping.is_set():
+                break
+            time.sleep(0.01)
+        info = {
+            "loaded_rows": self.loaded_rows,
+            "applied": self.applied,
+            "bootstrap_s": round(self.bootstrap_s, 3),
+            "total_s": round(time.perf_counter() - t0, 3),
+        }
+        log.info("loaded from %s: %s", self.where, json.dumps(info))
+        return info
+
+    def _load(self, conn: Any) -> None:
+        """Replaces the local memories and state with the tables' rows (one snapshot: COPY in
+        binary, streamed into the stores) and sets :attr:`applied` to its feed position."""
+        t0 = time.perf_counter()
+        with conn.transaction():
+            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            head = int(conn.execute("SELECT head FROM kalos_feed").fetchone()[0])
+            rows = 0
+            with self.lock:
+                self._clear()
+            with conn.cursor() as cur:
+                copy_sql = f"COPY (SELECT {_MEMORY_COLUMNS} FROM kalos_memories) TO STDOUT "
+                with cur.copy(copy_sql + "(FORMAT BINARY)") as copy:
+                    copy.set_types(
+                        ["int8", "bytea", "int2", "bytea", "text", "text", "text", "bytea",
+                         "text", "text"]
+                    )  # fmt: skip
+                    chunk: list[tuple[Any, ...]] = []
+                    for row in copy.rows():
+                        chunk.append(row)
+                        if len(chunk) >= COPY_CHUNK:
+                            rows += self._apply_memories(chunk)
+                            chunk = []
+                    rows += self._apply_memories(chunk)
+                with cur.copy(
+                    'COPY (SELECT tenant, "user", session, key, version, value FROM '
+                    "kalos_state) TO STDOUT (FORMAT BINARY)"
+                ) as copy:
+                    copy.set_types(["text", "text", "text", "text", "int8", "bytea"])
+                    with self.lock:
+                        for tenant, user, session, key, version, value in copy.rows():
+                            self.dispatcher.state.apply((tenant, user, session), key, version,
+                                                        bytes(value))  # fmt: skip
+                            rows += 1
+        self.loaded_rows = rows
+        self.applied = self.head = head
+        self.bootstrap_s = time.perf_counter() - t0
+
+    def _clear(self) -> None:
+        """Removes every memory and state value from the local stores (under the lock)."""
+        memories, state = self.dispatcher.memories, self.dispatcher.state
+        memories.remove(memories.ids_in_scope(Scope()))
+        for ns, key in state.keys_in():
+            state.apply(ns, key, 0, None)
+
+    def _apply_memories(self, rows: list[tuple[Any, ...]]) -> int:
+        """Upserts memory rows (id, vector, kind, payload, tenant, user, session, tokens,
+        meta, key) into the store, one store call per scope; returns how many applied."""
+        by_scope: dict[tuple[str, str, str], list[tuple[Any, ...]]] = {}
+        for row in rows:
+            by_scope.setdefault((row[4], row[5], row[6]), []).append(row)
+        applied = 0
+        with self.lock:
+            for (tenant, user, session), group in by_scope.items():
+                try:
+                    self._add(group, _scope(tenant, user, session))
+                    applied += len(group)
+                except (KalosError, ValueError) as exc:
+                    for row in group:  # one at a time: only the bad rows are left out
+                        try:
+                            self._add([row], _scope(tenant, user, session))
+                            applied += 1
+                        except (KalosError, ValueError) as one:
+                            self.apply_errors += 1
+                            log.warning("memory %s left out: %s", row[0], one)
+                    del exc
+        return applied
+
+    def _add(self, rows: list[tuple[Any, ...]], scope: Scope) -> None:
+        memories = self.dispatcher.memories
+        dim = memories.dim
+        n = len(rows)
+        ids = np.fromiter((r[0] for r in rows), np.int64, n)
+        vectors = np.empty((n, dim), np.float32)
+        payloads = []
+        for i, r in enumerate(rows):
+            vec = np.frombuffer(r[1], "<f4")
+            if len(vec) != dim:
+                raise InvalidRequest(f"a vector of {len(vec)} values; the index has {dim}")
+            vectors[i] = vec
+            payloads.append(bytes(r[3]) if r[2] != codes.PAYLOAD_NONE else b"")
+        kinds = np.fromiter((r[2] for r in rows), np.uint8, n)
+        offsets = np.zeros(n + 1, np.uint64)
+        offsets[1:] = np.cumsum([len(p) for p in payloads])
+        blob = np.frombuffer(b"".join(payloads), np.uint8)
+        tokens = [None if r[7] is None else np.frombuffer(r[7], "<i4") for r in rows]
+        meta = [None if r[8] is None else json.loads(r[8]) for r in rows]
+        keys = [r[9] for r in rows]
+        memories.add(ids, vectors, kinds, offsets, blob, scope, tokens, meta, keys)
+
+    def _follow(self) -> None:
+        """The follower thread: applies the feed, wakes on NOTIFY, reconnects by itself."""
+        last_seen = last_prune = 0.0
+        while not self._stopping.is_set():
+            conn = None
+            try:
+                conn = self._connect(autocommit=True)
+                conn.execute(f"LISTEN {CHANNEL}")
+                if not self.connected:
+                    self.reconnects += 1
+                    log.info("reconnected to %s", self.where)
+                self.connected = True
+                while not self._stopping.is_set():
+                    while self._catch_up(conn):
+                        pass
+                    now = time.monotonic()
+                    if now - last_seen >= min(1.0, self.retention_s / 4):
+                        conn.execute(
+                            "INSERT INTO kalos_followers (name, applied) VALUES (%s, %s) ON "
+                            "CONFLICT (name) DO UPDATE SET applied = EXCLUDED.applied, "
+                            "seen = now()",
+                            (self.follower, self.applied),
+                        )
+                        last_seen = now
+                    if now - last_prune >= min(PRUNE_EVERY_S, self.retention_s):
+                        self._prune(conn)
+                        last_prune = now
+                    # wake on the next commit's NOTIFY, or after 0.5 s at most
+                    for _ in conn.notifies(timeout=0.5, stop_after=1):
+                        pass
+            except self._psycopg.Error as exc:
+                if self.connected:
+                    log.warning("lost the source database %s: %s", self.where, exc)
+                self.connected = False
+                self._wake()  # writes waiting to be applied here are answered now
+            except Exception:
+                log.exception("the follower failed; retrying")
+                self.connected = False
+                self._wake()
+            finally:
+                if conn is not None:
+                    with contextlib.suppress(Exception):
+                        conn.close()
+            self._stopping.wait(RECONNECT_S)
+
+    def _catch_up(self, conn: Any) -> bool:
+        """Applies the next batch of changes; True when there may be more."""
+        head = int(conn.execute("SELECT head FROM kalos_feed").fetchone()[0])
+        self.head = head
+        if head <= self.applied:
+            return False
+        rows = conn.execute(_CHANGES, (self.applied,)).fetchall()
+        if not rows or rows[0][0] != self.applied + 1:
+            # the rows after our position were pruned: only a reload brings us level
+            log.warning("the change feed no longer holds position %d: reloading", self.applied)
+            self.reloads += 1
+            self._load(conn)
+            self._wake()
+            return True
+        with self.lock:
+            for row in rows:
+                self._apply_change(row)
+            self.applied = int(rows[-1][0])
+            self.applied_changes += len(rows)
+        self._wake()
+        return len(rows) >= BATCH_ROWS
+
+    def _apply_change(self, row: tuple[Any, ...]) -> None:
+        """One change row with the current contents of its row (under the lock)."""
+        kind, item = row[1], row[2]
+        try:
+            if kind == "m":
+                memories = self.dispatcher.memories
+                if row[7]:  # the row exists: upsert it as it is now
+                    self._add([(item, *row[8:17])], _scope(row[11], row[12], row[13]))
+                else:
+                    memories.remove(np.array([item], np.int64))
+            else:
+                version, value = row[17], row[18]
+                self.dispatcher.state.apply(
+                    (row[3], row[4], row[5]), row[6], version or 0,
+                    None if value is None else bytes(value),
+                )  # fmt: skip
+        except (KalosError, ValueError) as exc:
+            self.apply_errors += 1
+            log.warning("change %d left out: %s", row[0], exc)
+
+    def _wake(self) -> None:
+        with self._applied_cv:
+            self._applied_cv.notify_all()
+        if self.on_durable is not None:
+            self.on_durable()
+
+    def _prune(self, conn: Any) -> None:
+        r = self.retention_s
+        cur = conn.execute(_PRUNE, {"r": r})
+        self.pruned += max(0, cur.rowcount)
+        conn.execute(
+            "DELETE FROM kalos_followers WHERE seen < now() - make_interval(secs => %s)", (r,)
+        )
+
+    # -- stop and stats ------------------------------------------------------------------------
+
+    def close(self, timeout: float | None = None) -> bool:
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout if timeout is not None else 5.0)
+        if self._writer is not None:
+            with contextlib.suppress(Exception):
+                self._writer.close()
+            self._writer = None
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "source": self.where,
+            "follower": self.follower,
+            "connected": self.connected,
+            "degraded": self.degraded,
+            "writer_error": self.writer_error,
+            "applied": self.applied,
+            "head": self.head,
+            "lag": max(0, self.head - self.applied),
+            "loaded_rows": self.loaded_rows,
+            "bootstrap_s": round(self.bootstrap_s, 3),
+            "applied_changes": self.applied_changes,
+            "apply_errors": self.apply_errors,
+            "refused_writes": self.refused_writes,
+            "reloads": self.reloads,
+            "reconnects": self.reconnects,
+            "pruned": self.pruned,
+        }
