@@ -40,7 +40,7 @@ import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -279,11 +279,11 @@ def evaluate(node: Node, columns: ColumnSource, n: int) -> np.ndarray:
     return columns.condition(node, n)
 
 
-class ColumnSource:
-    """What :func:`evaluate` needs of a metadata table (kalos.stores.metadata implements it)."""
+class ColumnSource(Protocol):
+    """What :func:`evaluate` needs of a metadata table (kalos.stores.metadata implements it):
+    the [n] bool mask of the rows one condition holds for."""
 
-    def condition(self, cond: Cond, n: int) -> np.ndarray:  # pragma: no cover - interface
-        raise NotImplementedError
+    def condition(self, cond: Cond, n: int) -> np.ndarray: ...
 
 
 __all__ = [

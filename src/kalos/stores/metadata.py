@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from kalos.errors import Conflict, InvalidRequest
-from kalos.filters import ColumnSource, Cond, Node, evaluate, family, key_id
+from kalos.filters import Cond, Node, evaluate, family, key_id
 from kalos.index.rows import grown_capacity
 
 _NONE, _STR, _NUM, _BOOL, _LIST = 0, 1, 2, 3, 4
@@ -147,7 +147,7 @@ _STR_ORDER = {
 }
 
 
-class MetadataTable(ColumnSource):
+class MetadataTable:
     """Metadata dicts and string ids by item id, and their filter columns over slots."""
 
     def __init__(self) -> None:
