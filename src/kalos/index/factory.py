@@ -6,6 +6,8 @@ A spec is ``"<device>[:<index>]:<kind>[,<option>...]"``::
     "cpu:faiss-flat"      exact search through FAISS (needs faiss-cpu: pip install 'kalos[faiss]')
     "cuda:flat,fp16"      a GPU backend on the current device, with one option
     "cuda:1:flat,bf16"    the same on device 1
+    "cpu:flat,shards=3"   three cpu:flat shards, rows spread by id hash (kalos.index.sharded)
+    "cuda:flat,shards=2"  two cuda:flat shards on one device
 
 The registry key is ``"<device>:<kind>"``; the device index and the options are passed to the
 backend's constructor, which refuses what it does not understand (ConfigError). A backend is
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from kalos.errors import ConfigError
 
 from .base import Index, check_config
+from .sharded import ShardedIndex, split_shards_option
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,12 @@ def create(spec: str, *, dim: int, metric: str = "ip") -> Index:
     """
     dim, metric = check_config(dim, metric)
     parsed = parse_spec(spec)
+    shards, rest = split_shards_option(spec, parsed.options)
+    if shards is not None:
+        head = spec.strip().split(",")[0]
+        child_spec = ",".join((head, *rest))
+        children = [create(child_spec, dim=dim, metric=metric) for _ in range(shards)]
+        return ShardedIndex(spec, children)
     cls = backend_class(spec)
     index: Index = cls(
         spec, dim=dim, metric=metric, device_index=parsed.device_index, options=parsed.options

@@ -1,0 +1,213 @@
+"""One index over N child indexes (shards): rows spread by a fixed hash of their id.
+
+The shard of an id is ``splitmix64(id) mod N``: a pure function of the id, the same across
+restarts and processes, so an upsert, a remove or a reconstruct finds its shard without a
+lookup table. A search runs on every shard (the children's own ``search`` or
+``search_many``) and merges the per-shard top-k lists (:func:`merge_topk`) into the global
+top-k: each shard returns its exact top-k of the rows it holds, so the merged list is the
+exact top-k of the whole.
+
+Order of exact ties: the merge breaks equal scores by ascending id. A single index breaks
+them by its own row order (which depends on the history of adds and removes), so a sharded
+index and a single index agree on every score and on every id except among exactly tied
+scores.
+
+Spec: ``"<device>[:<index>]:<kind>,shards=N[,<option>...]"``: N children of the spec without
+the ``shards`` option (``"cpu:flat,shards=3"``, ``"cuda:flat,shards=2"``: two shards on one
+device). See :func:`kalos.index.factory.create`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from kalos.errors import ConfigError
+
+from .base import (
+    NO_ID,
+    Index,
+    ScopeFilter,
+    check_batch,
+    check_config,
+    check_ids,
+    check_k,
+    check_queries,
+    missing_score,
+)
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+def splitmix64(ids: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser of ids [n] int64 → [n] uint64 (wrapping arithmetic)."""
+    z = ids.astype(np.int64).view(np.uint64) + _GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
+
+
+def shard_of(ids: np.ndarray, shards: int) -> np.ndarray:
+    """The shard [n] int64 in ``0..shards-1`` of each id [n] int64."""
+    with np.errstate(over="ignore"):
+        return (splitmix64(ids) % np.uint64(shards)).astype(np.int64)
+
+
+def merge_topk(
+    parts: Sequence[tuple[np.ndarray, np.ndarray]], k: int, metric: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per-shard (scores [nq, k_i], ids [nq, k_i]) → the global (scores [nq, k], ids [nq, k]).
+
+    Best first (descending for ip/cosine, ascending squared distance for l2); equal scores
+    by ascending id; empty slots (id -1) last.
+    """
+    scores = np.concatenate([p[0] for p in parts], axis=1)  # [nq, sum k_i] float32
+    ids = np.concatenate([p[1] for p in parts], axis=1)  # [nq, sum k_i] int64
+    key = scores if metric == "l2" else -scores  # ascending key: best first
+    empty = ids == NO_ID
+    # lexsort sorts by the last key first: emptiness, then the score key, then the id.
+    order = np.lexsort((ids, key, empty), axis=1)[:, :k]
+    out_scores = np.take_along_axis(scores, order, axis=1)
+    out_ids = np.take_along_axis(ids, order, axis=1)
+    if out_ids.shape[1] < k:  # fewer slots than k in all (cannot happen with k_i == k)
+        pad = k - out_ids.shape[1]
+        nq = out_ids.shape[0]
+        out_scores = np.concatenate(
+            [out_scores, np.full((nq, pad), missing_score(metric), np.float32)], axis=1
+        )
+        out_ids = np.concatenate([out_ids, np.full((nq, pad), NO_ID, np.int64)], axis=1)
+    return np.ascontiguousarray(out_scores, np.float32), np.ascontiguousarray(out_ids)
+
+
+class ShardedIndex:
+    """The :class:`~kalos.index.base.Index` protocol over ``children`` (same dim and metric).
+
+    ``children`` are empty indexes; row ``id`` lives in ``children[shard_of(id, N)]``. Used by
+    one thread at a time, like every index.
+    """
+
+    def __init__(self, spec: str, children: Sequence[Index]) -> None:
+        if len(children) < 2:
+            raise ConfigError(f"{spec!r}: a sharded index needs at least 2 shards")
+        first = children[0]
+        for child in children:
+            if child.dim != first.dim or child.metric != first.metric:
+                raise ConfigError(f"{spec!r}: shards differ in dim or metric")
+            if len(child):
+                raise ConfigError(f"{spec!r}: shards must start empty")
+        self.spec = spec
+        self.dim, self.metric = check_config(first.dim, first.metric)
+        self.children: tuple[Index, ...] = tuple(children)
+
+    @property
+    def shards(self) -> int:
+        """How many child indexes."""
+        return len(self.children)
+
+    def __len__(self) -> int:
+        return sum(len(c) for c in self.children)
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardedIndex(spec={self.spec!r}, dim={self.dim}, metric={self.metric!r},"
+            f" shards={self.shards}, n={len(self)})"
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.children)
+
+    def _route(self, ids: np.ndarray) -> list[np.ndarray]:
+        """Positions [m_s] into ids of each shard's ids."""
+        where = shard_of(ids, self.shards)
+        return [np.flatnonzero(where == s) for s in range(self.shards)]
+
+    def add(self, vectors: object, ids: object, scopes: object = None) -> None:
+        # Checked (and de-duplicated: last occurrence wins) once here; each child checks again.
+        vecs, keys, scope_rows = check_batch(vectors, ids, scopes, self.dim, "ip")
+        for child, pos in zip(self.children, self._route(keys), strict=True):
+            if pos.shape[0]:
+                child.add(vecs[pos], keys[pos], scope_rows[pos])
+
+    def remove(self, ids: object) -> int:
+        keys = check_ids(ids)
+        return sum(
+            child.remove(keys[pos])
+            for child, pos in zip(self.children, self._route(keys), strict=True)
+            if pos.shape[0]
+        )
+
+    def reconstruct(self, ids: object) -> np.ndarray:
+        keys = check_ids(ids)
+        out = np.empty((keys.shape[0], self.dim), np.float32)
+        for child, pos in zip(self.children, self._route(keys), strict=True):
+            if pos.shape[0]:
+                out[pos] = child.reconstruct(keys[pos])  # NotFound for an unknown id
+        return out
+
+    def dump(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        parts = [c.dump() for c in self.children]
+        return (
+            np.concatenate([p[0] for p in parts]),
+            np.concatenate([p[1] for p in parts]).reshape(-1, self.dim),
+            np.concatenate([p[2] for p in parts]).reshape(-1, 3),
+        )
+
+    def reset(self) -> None:
+        for c in self.children:
+            c.reset()
+
+    def search(
+        self,
+        queries: object,
+        k: int,
+        *,
+        scope: ScopeFilter | None = None,
+        allow: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        q = check_queries(queries, self.dim)
+        k = check_k(k)
+        parts = [c.search(q, k, scope=scope, allow=allow) for c in self.children]
+        return merge_topk(parts, k, self.metric)
+
+    def search_many(
+        self, members: Sequence[tuple[object, int, ScopeFilter | None]]
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        per_shard = [c.search_many(members) for c in self.children]  # [shards][members]
+        return [
+            merge_topk([answers[i] for answers in per_shard], check_k(k), self.metric)
+            for i, (_, k, _) in enumerate(members)
+        ]
+
+    def warm(self, *args: object, **kwargs: object) -> None:
+        """Warm every child that can be warmed (GPU kernels, graphs)."""
+        for c in self.children:
+            warm: Callable[..., object] | None = getattr(c, "warm", None)
+            if warm is not None:
+                warm(*args, **kwargs)
+
+
+def split_shards_option(spec: str, options: tuple[str, ...]) -> tuple[int | None, tuple[str, ...]]:
+    """``shards=N`` out of a spec's options: (N or None, the other options). ConfigError
+    for a malformed count."""
+    shards: int | None = None
+    rest: list[str] = []
+    for opt in options:
+        if opt.split("=", 1)[0] != "shards":
+            rest.append(opt)
+            continue
+        value = opt.partition("=")[2]
+        if shards is not None:
+            raise ConfigError(f"bad index spec {spec!r}: 'shards' given twice")
+        if not value.isdigit() or int(value) < 2:
+            raise ConfigError(
+                f"bad index spec {spec!r}: shards=N takes a whole number N >= 2; got {opt!r}"
+            )
+        shards = int(value)
+    return shards, tuple(rest)
+
+
+__all__ = ["ShardedIndex", "merge_topk", "shard_of", "split_shards_option", "splitmix64"]
