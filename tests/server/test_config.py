@@ -52,3 +52,11 @@ def test_peer_allowed() -> None:
     assert c.peer_allowed(me + 1, 0)
     assert c.peer_allowed(me + 2, 4242)
     assert not c.peer_allowed(me + 2, 4243)
+
+
+def test_sharded_index_only_on_cpu_sidecar():
+    assert SidecarConfig(name="s", dim=8, index="cpu:flat,shards=2").index_spec == (
+        "cpu:flat,shards=2"
+    )
+    with pytest.raises(ConfigError, match="sharded"):
+        SidecarConfig(name="s", dim=8, device="cuda", index="cuda:flat,fp16,shards=2")

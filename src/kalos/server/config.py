@@ -95,6 +95,13 @@ class SidecarConfig:
             raise ConfigError(f"metric must be one of {', '.join(codes.METRICS)}")
         if not self.device.startswith(("cpu", "cuda")):
             raise ConfigError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if self.device.startswith("cuda") and any(
+            o.strip().startswith("shards") for o in self.index_spec.split(",")[1:]
+        ):
+            raise ConfigError(
+                f"index {self.index_spec!r}: the sidecar's GPU search serves one cuda index;"
+                " a sharded index (shards=N) is served on --device cpu"
+            )
         if self.compute_threads < 1:
             raise ConfigError("compute_threads must be at least 1")
         if self.batch_max < 1 or not 0 <= self.batch_delay_us <= 1e6:
