@@ -139,3 +139,23 @@ def test_sharded_reconstruct_unknown_is_not_found() -> None:
 def test_bad_sharded_specs(spec: str) -> None:
     with pytest.raises(ConfigError):
         create(spec, dim=DIM)
+
+
+def test_cpu_sidecar_serves_a_sharded_index() -> None:
+    from kalos.testing import isolated_sidecar
+
+    rng = np.random.default_rng(5)
+    base = rng.standard_normal((60, DIM)).astype(np.float32)
+    ids = np.arange(100, 160, dtype=np.int64)
+    reference = create("cpu:flat", dim=DIM)
+    reference.add(base, ids)
+    with isolated_sidecar(dim=DIM, extra_args=("--index", "cpu:flat,shards=3")) as sc:
+        client = sc.connect()
+        try:
+            assert client.add(base, ids) == 60
+            for i in (0, 31, 59):
+                r = client.search(base[i], k=7)
+                _, want = reference.search(base[i], 7)
+                np.testing.assert_array_equal(r.ids, want[0])
+        finally:
+            client.close()
