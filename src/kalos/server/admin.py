@@ -48,6 +48,7 @@ HEALTHZ_PATH = "/healthz"
 READYZ_PATH = "/readyz"
 METRICS_PATH = "/metrics"
 PATHS = (HEALTHZ_PATH, READYZ_PATH, METRICS_PATH)
+ADMIN_POLL_S = 0.05  # how often the admin thread checks for a stop: a stop waits at most this
 
 STATE_NAMES = {L.STATE_STARTING: "starting", L.STATE_READY: "ready", L.STATE_STOPPING: "stopping"}
 
@@ -473,8 +474,13 @@ class AdminServer:
             ) from exc
         self._http.routes = {HEALTHZ_PATH: healthz, READYZ_PATH: readyz, METRICS_PATH: metrics}
         self.host, self.port = self._http.server_address[:2]
+        # serve_forever checks for shutdown() once per poll interval: at its default (0.5 s)
+        # every stop of a sidecar waited for it
         self._thread = threading.Thread(
-            target=self._http.serve_forever, name="kalos-admin", daemon=True
+            target=self._http.serve_forever,
+            args=(ADMIN_POLL_S,),
+            name="kalos-admin",
+            daemon=True,
         )
         self._thread.start()
         log.info(
