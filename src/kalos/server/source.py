@@ -804,12 +804,17 @@ class Source:
             self.on_durable()
 
     def _prune(self, conn: Any) -> None:
+        """Drop the feed rows every live follower passed and the followers gone ``retention_s``.
+
+        One transaction: a reader never sees the rows gone while a stale follower remains.
+        """
         r = self.retention_s
-        cur = conn.execute(_PRUNE, {"r": r})
+        with conn.transaction():
+            cur = conn.execute(_PRUNE, {"r": r})
+            conn.execute(
+                "DELETE FROM kalos_followers WHERE seen < now() - make_interval(secs => %s)", (r,)
+            )
         self.pruned += max(0, cur.rowcount)
-        conn.execute(
-            "DELETE FROM kalos_followers WHERE seen < now() - make_interval(secs => %s)", (r,)
-        )
 
     # -- stop and stats ------------------------------------------------------------------------
 
