@@ -134,9 +134,12 @@ def test_forget_a_scope_reaches_every_sidecar(source: str, runtime_dir: str) -> 
         forgotten = b.forget(acme)
         assert forgotten.memories == 4 and forgotten.state == 1
         for c in (a, b):
-            wait_for(lambda c=c: all(find(c, i) is None for i in range(4)), "the forget")
+            # the forget's memory and state changes are applied one after the other
+            wait_for(
+                lambda c=c: all(find(c, i) is None for i in range(4)) and _absent_in(c, "k", acme),
+                "the forget",
+            )
             assert find(c, 10) == "kept"
-            assert _absent_in(c, "k", acme)
 
 
 def _absent_in(client: kalos.Client, key: str, scope: kalos.Scope) -> bool:
