@@ -110,5 +110,8 @@ def test_sharded_cuda_checks_queries_once_as_one_index() -> None:
             many.search(bad, 3)
     with pytest.raises(InvalidRequest):
         many.search(np.ones((1, 7), np.float32), 3)
+    for bad_k in (0, 1025, 10**12, 2.5):
+        with pytest.raises(InvalidRequest):
+            many.search(np.ones(8, np.float32), bad_k)  # type: ignore[arg-type]
     s, i = many.search(np.ones(8, np.float32), 3, scope=(0, 0, 0))
     assert s.shape == i.shape == (1, 3) and i.dtype == np.int64 and s.dtype == np.float32

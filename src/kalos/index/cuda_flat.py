@@ -105,6 +105,8 @@ restricted to more scans every row with a row mask (the scope filter's, in the k
 class CudaFlatIndex:
     """Exact top-k over vectors held on one CUDA device (faiss's verbs; see the module doc)."""
 
+    max_k = _MAX_K  # the largest k a search takes
+
     def __init__(
         self,
         *,

@@ -41,7 +41,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from kalos.errors import ConfigError
+from kalos.errors import ConfigError, InvalidRequest
 
 from .base import (
     NO_ID,
@@ -124,6 +124,7 @@ class DeviceIndex(Protocol):
     :class:`kalos.index.cuda_flat.CudaFlatIndex`)."""
 
     device: Any  # a torch.device
+    max_k: int  # the largest k a search takes
 
     def device_queries(self, queries: Any) -> Any:
         """Checked queries as float32 [nq, dim] on ``device``."""
@@ -285,6 +286,8 @@ class ShardedIndex:
         first = children[0]
         q = first.device_queries(queries)
         k = check_k(k)
+        if k > first.max_k:
+            raise InvalidRequest(f"k must be in 1..{first.max_k}, got {k}")
         filt = first.device_scope(scope)
         inputs = {first.device: (q, filt)}
         for child in children[1:]:
@@ -302,15 +305,26 @@ class ShardedIndex:
 
         inputs, k = prepared
         children = self._device_children
-        parts = []
-        for child in children:  # no host sync in here: each launch queues behind the last
-            q, filt = inputs[child.device]
-            with _on(child.device):
-                parts.append(child.search_device(q, k, scope=filt))
         home = children[0].device
+        q = inputs[home][0]
+        nq, width = q.shape[0], k * len(children)
+        # the lists side by side: children on the first device write their slice in place,
+        # the others' are copied in (non-blocking, ordered after their search)
+        scores = torch.empty((nq, width), dtype=torch.float32, device=home)
+        ids = torch.empty((nq, width), dtype=torch.int64, device=home)
+        for s, child in enumerate(children):  # no host sync in here
+            q, filt = inputs[child.device]
+            lists = scores[:, s * k : (s + 1) * k], ids[:, s * k : (s + 1) * k]
+            if child.device == home:
+                with _on(home):
+                    child.search_device(q, k, scope=filt, out=lists)
+                continue
+            with _on(child.device):
+                part = child.search_device(q, k, scope=filt)
+            with _on(home):
+                lists[0].copy_(part[0], non_blocking=True)
+                lists[1].copy_(part[1], non_blocking=True)
         with _on(home):
-            scores = torch.cat([s.to(home, non_blocking=True) for s, _ in parts], dim=1)
-            ids = torch.cat([i.to(home, non_blocking=True) for _, i in parts], dim=1)
             return merge_topk_device(scores, ids, k, self.metric)
 
     def warm(self, *args: object, **kwargs: object) -> None:
