@@ -306,8 +306,7 @@ class ShardedIndex:
         inputs, k = prepared
         children = self._device_children
         home = children[0].device
-        q = inputs[home][0]
-        nq, width = q.shape[0], k * len(children)
+        nq, width = inputs[home][0].shape[0], k * len(children)
         # the lists side by side: children on the first device write their slice in place,
         # the others' are copied in (non-blocking, ordered after their search)
         scores = torch.empty((nq, width), dtype=torch.float32, device=home)
