@@ -48,10 +48,11 @@ def problems(root: str) -> tuple[int, list[str]]:
             if any("system" not in row for row in s.get("rows", [])):
                 bad.append(f"{where}: a row without system")
             scenario, params = s.get("scenario", ""), s.get("params", {})
-            if scenario in ("search-gpu", "search-cpu", "load") and "corpus" not in params:
+            searches = ("search-gpu", "search-cpu", "search-shards")
+            if scenario in (*searches, "load") and "corpus" not in params:
                 bad.append(f"{where}: {scenario} without params.corpus")
             if (
-                scenario in ("search-gpu", "search-cpu")
+                scenario in searches
                 and "wrong_results" not in s.get("checks", {})
                 and "recall_at_10" not in json.dumps(s.get("rows", []))
             ):

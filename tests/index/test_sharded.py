@@ -4,7 +4,8 @@ Random interleavings of adds (new ids, upserts of stored ids, duplicate ids in o
 removes (stored and unknown ids) and searches (random k, k beyond the size, scope filters,
 ``allow`` filters, ``search_many``) run against both. Vectors are random floats, so scores
 are distinct; where two scores lie within float32 rounding of each other, the ids may come in
-either order (a single index breaks ties by row order, the sharded one by id).
+either order (a single index breaks ties by row order, the sharded one by id). The merge a
+sharded index of cuda children runs on the device is checked against the host merge here too.
 """
 
 from __future__ import annotations
@@ -116,6 +117,39 @@ def test_merge_ties_by_id_and_empties_last() -> None:
         [(np.array([[1.0, np.inf]], np.float32), np.array([[5, -1]]))] * 2, 3, "l2"
     )
     assert ids.tolist() == [[5, 5, -1]] and dist[0, 2] == np.inf
+
+
+@pytest.mark.parametrize("metric", ["ip", "cosine", "l2"])
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_device_merge_equals_host_merge(metric: str, seed: int) -> None:
+    """merge_topk_device (on CPU tensors here; the cuda children's merge) gives exactly
+    merge_topk's answer: many exact ties, -0.0 beside 0.0, infinite scores of real rows, and
+    empty slots."""
+    torch = pytest.importorskip("torch")
+    from kalos.index.base import missing_score
+    from kalos.index.sharded import merge_topk_device
+
+    rng = np.random.default_rng(seed)
+    nq, shards, k = int(rng.integers(1, 4)), int(rng.integers(2, 4)), int(rng.integers(1, 7))
+    values = np.array([-np.inf, -1.0, -0.0, 0.0, 0.5, 2.0, np.inf], np.float32)
+    parts = []
+    for _ in range(shards):
+        scores = rng.choice(values, (nq, k)).astype(np.float32)
+        ids = rng.integers(-6, 12, (nq, k)).astype(np.int64)  # negative ids are ids too
+        empty = (ids == -1) | (rng.random((nq, k)) < 0.2)
+        ids[empty] = -1
+        scores[empty] = missing_score(metric)
+        parts.append((scores, ids))
+    want_scores, want_ids = merge_topk(parts, k, metric)
+    got_scores, got_ids = merge_topk_device(
+        torch.from_numpy(np.concatenate([p[0] for p in parts], axis=1)),
+        torch.from_numpy(np.concatenate([p[1] for p in parts], axis=1)),
+        k,
+        metric,
+    )
+    np.testing.assert_array_equal(got_ids.numpy(), want_ids)
+    np.testing.assert_array_equal(got_scores.numpy(), want_scores)
 
 
 def test_sharded_reconstruct_unknown_is_not_found() -> None:

@@ -1,7 +1,8 @@
 """A ShardedIndex over CudaFlatIndex children on the CPU, under TRITON_INTERPRET=1: the same
 answers as one CudaFlatIndex over the same rows, for every metric, with scope and ``allow``
-filters, after upserts and removals, and through ``search_many``. Small sizes: the
-interpreter is slow."""
+filters, after upserts and removals, and through ``search_many``; searches without ``allow``
+launch every child's ``search_device`` and merge on the device, and exact ties across shards
+come back in one index's order. Small sizes: the interpreter is slow."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import numpy as np
 import pytest
 
 from cuda_reference import make_index
-from kalos.index.sharded import ShardedIndex
+from kalos.errors import InvalidRequest
+from kalos.index.sharded import DeviceIndex, ShardedIndex, merge_topk, shard_of
 
 TOL = 1e-4
 
@@ -54,3 +56,62 @@ def test_sharded_cuda_equals_one(metric: str) -> None:
     for got, want in zip(many.search_many(members), one.search_many(members), strict=True):
         _same(got, want)
     np.testing.assert_array_equal(many.reconstruct(ids[:5]), one.reconstruct(ids[:5]))
+
+
+@pytest.mark.parametrize("metric", ["ip", "cosine", "l2"])
+def test_exact_ties_across_shards_in_one_index_order(
+    metric: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = np.random.default_rng(5)
+    dim = 16
+    candidates = np.arange(100, 200, dtype=np.int64)
+    where = shard_of(candidates, 2)
+    # one vector stored 6 times, under ids in both shards, beside 30 other rows
+    tied = np.sort(np.concatenate([candidates[where == 0][:3], candidates[where == 1][:3]]))
+    dup = rng.standard_normal(dim).astype(np.float32)
+    others = rng.standard_normal((30, dim)).astype(np.float32)
+    other_ids = np.arange(1000, 1030, dtype=np.int64)
+    one = make_index(metric, "fp32", dim, "cpu")
+    many = ShardedIndex(
+        "cuda:flat,fp32,shards=2", [make_index(metric, "fp32", dim, "cpu") for _ in range(2)]
+    )
+    assert all(isinstance(c, DeviceIndex) for c in many.children)
+    for index in (one, many):
+        index.add(others, other_ids)
+        # one index breaks exact ties by row, the later first: copies added in descending id
+        # order come back in ascending id order, the sharded index's order
+        index.add(np.tile(dup, (6, 1)), tied[::-1].copy())
+
+    def host_search(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a search without allow runs on the device")
+
+    q = dup[None] if metric != "cosine" else 3 * dup[None]  # cosine: the kernels normalise
+    host_parts = [c.search(q, 40) for c in many.children]
+    for child in many.children:
+        monkeypatch.setattr(child, "search", host_search)
+    for k in (8, 40):  # 40: beyond the 36 rows, empty slots last
+        s1, i1 = one.search(q, k)
+        s2, i2 = many.search(q, k)
+        np.testing.assert_array_equal(i2, i1)
+        np.testing.assert_allclose(s2, s1, rtol=TOL, atol=TOL)
+        assert i2[0, :6].tolist() == tied.tolist()
+    assert (i2[0, 36:] == -1).all()
+    # the same order as the host merge of each shard's own answer
+    np.testing.assert_array_equal(i2, merge_topk(host_parts, 40, metric)[1])
+
+
+def test_sharded_cuda_checks_queries_once_as_one_index() -> None:
+    many = ShardedIndex(
+        "cuda:flat,fp16,shards=2", [make_index("ip", "fp16", 8, "cpu") for _ in range(2)]
+    )
+    many.add(np.eye(8, dtype=np.float32), np.arange(1, 9, dtype=np.int64))
+    for bad in (np.full((1, 8), np.nan, np.float32), np.full((1, 8), 1e6, np.float32)):
+        with pytest.raises(InvalidRequest):
+            many.search(bad, 3)
+    with pytest.raises(InvalidRequest):
+        many.search(np.ones((1, 7), np.float32), 3)
+    for bad_k in (0, 1025, 10**12, 2.5):
+        with pytest.raises(InvalidRequest):
+            many.search(np.ones(8, np.float32), bad_k)  # type: ignore[arg-type]
+    s, i = many.search(np.ones(8, np.float32), 3, scope=(0, 0, 0))
+    assert s.shape == i.shape == (1, 3) and i.dtype == np.int64 and s.dtype == np.float32

@@ -66,13 +66,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "sidecar: 200)")  # fmt: skip
     p.add_argument("--compare-rows", type=int, default=2_000_000,
                    help="largest index also timed through a --no-gpu-doorbell sidecar")  # fmt: skip
-    p.add_argument(
-        "--shards",
-        type=int,
-        default=0,
-        help="also time a sharded index (N shards of cuda:flat,fp16 on this GPU)"
-        " beside one index: rows index-search and index-search-shards-N",
-    )
     p.add_argument("--no-cold-start", dest="cold_start", action="store_false",
                    help="skip the first set's cold start (kalos.bench.cold_start)")  # fmt: skip
     add_affinity_argument(p, cpus="last two CPUs")
@@ -152,61 +145,6 @@ def _host_times(fn: Any, n: int) -> tuple[np.ndarray, float]:
         fn(i)
         out[i] = clock() - t
     return out, time.perf_counter() - t0
-
-
-def shard_overhead(
-    spec: str,
-    db: np.ndarray,
-    ids: np.ndarray,
-    queries: np.ndarray,
-    k: int,
-    shards: int,
-    searches: int,
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """One index of ``spec`` and one of ``spec,shards=N`` over the same rows, interleaved
-    ``index.search`` calls (host clocks, batch 1): rows ``index-search`` and
-    ``index-search-shards-N``, and a summary with the sharded/single p50 ratio and how many
-    answers differed beyond exact ties. Any device: ``"cpu:flat"`` in CI,
-    ``"cuda:flat,fp16"`` on a GPU (N shards on one device: the merge's overhead)."""
-    from kalos.index import create
-
-    dim = db.shape[1]
-    single = create(spec, dim=dim, metric="ip")
-    sharded = create(f"{spec},shards={shards}", dim=dim, metric="ip")
-    step = 1 << 18
-    for lo in range(0, db.shape[0], step):
-        single.add(db[lo : lo + step], ids[lo : lo + step])
-        sharded.add(db[lo : lo + step], ids[lo : lo + step])
-    for index in (single, sharded):
-        warm = getattr(index, "warm", None)
-        if warm is not None:
-            warm()
-        for i in range(min(20, len(queries))):
-            index.search(queries[i], k)
-    t_one = np.empty(searches)
-    t_many = np.empty(searches)
-    differ = 0
-    for i in range(searches):
-        q = queries[i % len(queries)]
-        t0 = time.perf_counter()
-        s1, i1 = single.search(q, k)
-        t1 = time.perf_counter()
-        s2, i2 = sharded.search(q, k)
-        t2 = time.perf_counter()
-        t_one[i], t_many[i] = t1 - t0, t2 - t1
-        # the same scores, up to rounding: the same top-k up to the order of exact ties
-        if not np.array_equal(i1, i2) and not np.allclose(s1, s2, rtol=1e-3, atol=1e-3):
-            differ += 1
-    one = summarize("index-search", t_one * 1e9)
-    many = summarize(f"index-search-shards-{shards}", t_many * 1e9)
-    summary = {
-        "shards": shards,
-        "spec": spec,
-        "sharded_over_single_p50": round(many["p50_us"] / one["p50_us"], 3),
-        "sharded_over_single_p99": round(many["p99_us"] / one["p99_us"], 3),
-        "sharded_wrong_results": differ,
-    }
-    return [one, many], summary
 
 
 def _run_size(args: argparse.Namespace, torch: Any, corpus: corpora.Corpus, bw: float) -> dict:
@@ -414,17 +352,8 @@ def _run_size(args: argparse.Namespace, torch: Any, corpus: corpora.Corpus, bw: 
         "scan": index.scan,
         **({"cascade": cascade_stats} if cascade_stats else {}),
     }
-    if args.shards:
-        del graph, searcher, index
-        shard_rows, shard_summary = shard_overhead(
-            "cuda:flat,fp16", corpus.db, ids, queries, k, args.shards, args.queries
-        )
-        rows.extend(shard_rows)
-        summary["sharding"] = shard_summary
-        wrong += shard_summary["sharded_wrong_results"]
-        summary["wrong_results"] = wrong
     return {"params": {"corpus": corpus.name, "n": n, "dim": dim, "dtype": "float16", "k": k,
-                       "batch": 1, "shards": args.shards or 1, "client_spin_us": args.spin_us,
+                       "batch": 1, "client_spin_us": args.spin_us,
                        "corpus_info": corpus.info},
             "rows": rows, "summary": summary, "checks": {"wrong_results": wrong},
             "stage_median_us": stages, "affinity": affinity}  # fmt: skip

@@ -105,6 +105,8 @@ restricted to more scans every row with a row mask (the scope filter's, in the k
 class CudaFlatIndex:
     """Exact top-k over vectors held on one CUDA device (faiss's verbs; see the module doc)."""
 
+    max_k = _MAX_K  # the largest k a search takes
+
     def __init__(
         self,
         *,
@@ -479,16 +481,33 @@ class CudaFlatIndex:
         caller. ip/cosine descending, l2 squared distance ascending; missing results are id -1
         with score -inf (ip/cosine) or +inf (l2). ``allow``: ids [m] int64, the only ones that
         may be returned (a metadata filter's matches): see :meth:`_search_allowed`."""
-        q = self._vectors_in(queries, "queries", normalise=False)
+        q = self.device_queries(queries)
         k = _k_in(k)
         filt = _scope_in(scope)
-        fp16_query = self.metric != "cosine" and self.dtype == "fp16" and q.numel()
-        if fp16_query and float(q.abs().max()) > _FP16_MAX:
-            raise InvalidRequest("query values exceed fp16's range (65504)")
         if allow is not None:
             return self._search_allowed(q, k, filt, allow)
         scores, ids = self.search_device(q, k, scope=filt)
         return scores.cpu().numpy(), ids.cpu().numpy()
+
+    def device_queries(self, queries: Any) -> Any:
+        """Queries as :meth:`search` takes them (numpy or torch, [nq, dim] or [dim]), checked
+        as it checks them (numeric, finite, within fp16's range for fp16 storage, except
+        cosine, whose kernels search with the unit query) -> float32 [nq, dim] on this
+        device, what :meth:`search_device` takes. Synchronises (the checks)."""
+        q = self._vectors_in(queries, "queries", normalise=False)
+        fp16_query = self.metric != "cosine" and self.dtype == "fp16" and q.numel()
+        if fp16_query and float(q.abs().max()) > _FP16_MAX:
+            raise InvalidRequest("query values exceed fp16's range (65504)")
+        return q
+
+    def device_scope(self, scope: Any) -> Any:
+        """A scope filter as :meth:`search` takes it -> an int64 [3] tensor on this device,
+        which :meth:`search_device` reads without a copy, or None (no filter: None or all
+        zeros). Copies to the device (a small sync)."""
+        vals = _scope_in(scope)
+        if vals is None:
+            return None
+        return self._torch.tensor(vals, dtype=self._torch.int64, device=self.device)
 
     def _search_allowed(
         self, q: Any, k: int, filt: tuple[int, int, int] | None, allow: np.ndarray
