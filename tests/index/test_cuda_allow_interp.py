@@ -1,8 +1,9 @@
 """CudaFlatIndex.search(allow=...) on the CPU, under TRITON_INTERPRET=1: the exact top-k of
 the allowed rows (a metadata filter's matches), with and without a scope filter, after
 removals, against the float64 reference of tests/cuda_reference.py, on both of its paths (a
-gather of the few allowed rows; the scan kernel with a row mask); and random filters over
-random metadata through it."""
+gather of the few allowed rows; the scan kernel with a row mask); random filters over random
+metadata through it; and a memory store over it, whose filters are evaluated on the index's
+device (kalos.stores.device_columns) with random writes between the searches."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ from hypothesis import strategies as st
 
 from cuda_reference import check_result, make_index
 from kalos import filters
+from kalos.protocol.messages import Scope
+from kalos.stores.memories import MemoryStore
 from kalos.stores.metadata import MetadataTable
-from test_filters import FILTERS, METAS
+from test_filters import FILTERS, METAS, reference
 
 
 @pytest.mark.parametrize(
@@ -87,3 +90,60 @@ def test_random_filters_through_the_cuda_index(metas: list, where: dict) -> None
     q = rng.standard_normal((1, dim)).astype(np.float32)
     s, got = idx.search(q, 5, allow=allow)
     check_result(idx, x[keep], ids[keep], None, q, 5, s, got)
+
+
+STORE_STEPS = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("add"), st.lists(st.tuples(st.integers(1, 40), METAS), min_size=1, max_size=8)
+        ),
+        st.tuples(st.just("remove"), st.lists(st.integers(1, 40), max_size=6)),
+        st.tuples(st.just("search"), FILTERS),
+    ),
+    min_size=2,
+    max_size=10,
+)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=STORE_STEPS)
+def test_store_filters_on_the_device_with_writes_between(steps: list) -> None:
+    rng = np.random.default_rng(len(steps))
+    dim, k = 16, 5
+    idx = make_index("ip", "fp32", dim, "cpu")
+    store = MemoryStore(idx)
+    allowed = []  # what the index was given: ids on its device, never a host array
+    search_allowed = idx._search_allowed
+
+    def spy(q, k, filt, allow):  # type: ignore[no-untyped-def]
+        allowed.append(allow)
+        return search_allowed(q, k, filt, allow)
+
+    idx._search_allowed = spy  # type: ignore[method-assign]
+    vectors: dict[int, np.ndarray] = {}
+    metas: dict[int, dict | None] = {}
+    for step, arg in steps:
+        if step == "add":
+            ids = np.array([i for i, _ in arg], np.int64)
+            x = rng.standard_normal((len(ids), dim)).astype(np.float32)
+            none = np.zeros(len(ids), np.uint8)
+            offsets = np.zeros(len(ids) + 1, np.uint64)
+            blob = np.empty(0, np.uint8)
+            store.add(ids, x, none, offsets, blob, Scope(), meta=[m for _, m in arg])
+            for (i, m), v in zip(arg, x, strict=True):
+                vectors[i], metas[i] = v, m
+        elif step == "remove":
+            store.remove(np.array(arg, np.int64))
+            for i in arg:
+                vectors.pop(i, None)
+                metas.pop(i, None)
+        else:
+            q = rng.standard_normal((1, dim)).astype(np.float32)
+            s, got = store.search(q, k, None, where=filters.parse(arg))
+            keep = [i for i in sorted(metas) if reference(arg, metas[i])]
+            if not keep:
+                assert (got == -1).all()
+                continue
+            x = np.stack([vectors[i] for i in keep])
+            check_result(idx, x, np.array(keep, np.int64), None, q, k, s, got)
+    assert all(isinstance(a, torch.Tensor) for a in allowed)
