@@ -9,6 +9,11 @@ element to the slots holding it. So a filter (:mod:`kalos.filters`) evaluates to
 over the slots with numpy operations per condition, never with Python per row: a string
 comparison other than equality runs over the key's distinct strings, then one ``np.isin``.
 
+A condition's logic (:meth:`Column.condition`) is written once over an array-ops shim
+(:class:`ArrayOps`): numpy here, torch in the device mirror of a store whose index is on a
+GPU (:mod:`kalos.stores.device_columns`), which uploads only the slots each write changed
+(:class:`SlotChanges`, kept per column and for the slot -> id array).
+
 The item's metadata dict itself is kept as given (returned by search and lookup, written to
 snapshots); the columns are rebuilt from it on restore.
 
