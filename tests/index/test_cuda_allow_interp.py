@@ -3,7 +3,8 @@ the allowed rows (a metadata filter's matches), with and without a scope filter,
 removals, against the float64 reference of tests/cuda_reference.py, on both of its paths (a
 gather of the few allowed rows; the scan kernel with a row mask); random filters over random
 metadata through it; and a memory store over it, whose filters are evaluated on the index's
-device (kalos.stores.device_columns) with random writes between the searches."""
+device (kalos.stores.device_columns), with and without a scope, with random writes between
+the searches."""
 
 from __future__ import annotations
 
@@ -95,10 +96,12 @@ def test_random_filters_through_the_cuda_index(metas: list, where: dict) -> None
 STORE_STEPS = st.lists(
     st.one_of(
         st.tuples(
-            st.just("add"), st.lists(st.tuples(st.integers(1, 40), METAS), min_size=1, max_size=8)
+            st.just("add"),
+            st.lists(st.tuples(st.integers(1, 40), METAS), min_size=1, max_size=8),
+            st.sampled_from(["acme", "globex"]),
         ),
-        st.tuples(st.just("remove"), st.lists(st.integers(1, 40), max_size=6)),
-        st.tuples(st.just("search"), FILTERS),
+        st.tuples(st.just("remove"), st.lists(st.integers(1, 40), max_size=6), st.none()),
+        st.tuples(st.just("search"), FILTERS, st.sampled_from([None, "acme"])),
     ),
     min_size=2,
     max_size=10,
@@ -122,16 +125,17 @@ def test_store_filters_on_the_device_with_writes_between(steps: list) -> None:
     idx._search_allowed = spy  # type: ignore[method-assign]
     vectors: dict[int, np.ndarray] = {}
     metas: dict[int, dict | None] = {}
-    for step, arg in steps:
+    tenants: dict[int, str] = {}
+    for step, arg, tenant in steps:
         if step == "add":
             ids = np.array([i for i, _ in arg], np.int64)
             x = rng.standard_normal((len(ids), dim)).astype(np.float32)
             none = np.zeros(len(ids), np.uint8)
             offsets = np.zeros(len(ids) + 1, np.uint64)
             blob = np.empty(0, np.uint8)
-            store.add(ids, x, none, offsets, blob, Scope(), meta=[m for _, m in arg])
+            store.add(ids, x, none, offsets, blob, Scope(tenant), meta=[m for _, m in arg])
             for (i, m), v in zip(arg, x, strict=True):
-                vectors[i], metas[i] = v, m
+                vectors[i], metas[i], tenants[i] = v, m, tenant
         elif step == "remove":
             store.remove(np.array(arg, np.int64))
             for i in arg:
@@ -139,8 +143,13 @@ def test_store_filters_on_the_device_with_writes_between(steps: list) -> None:
                 metas.pop(i, None)
         else:
             q = rng.standard_normal((1, dim)).astype(np.float32)
-            s, got = store.search(q, k, None, where=filters.parse(arg))
-            keep = [i for i in sorted(metas) if reference(arg, metas[i])]
+            scope = None if tenant is None else Scope(tenant)
+            s, got = store.search(q, k, scope, where=filters.parse(arg))
+            keep = [
+                i
+                for i in sorted(metas)
+                if reference(arg, metas[i]) and tenant in (None, tenants[i])
+            ]
             if not keep:
                 assert (got == -1).all()
                 continue
