@@ -9,7 +9,10 @@ filtered search uploads those slots only: 25 bytes per key the write touched (th
 8, kind 1, num 8, code 8) and 16 for a slot whose item changed (the slot index and the id).
 A bulk append uploads its slots as one range, without the indices. Grown capacity copies on
 the device (the new slots hold the defaults on both sides); a new key starts from the
-defaults and uploads its marked slots; a reset of the table uploads everything once.
+defaults and uploads its marked slots; a reset of the table uploads everything once. A sync
+visits only the keys that changed (:meth:`MetadataTable.take_changed
+<kalos.stores.metadata.MetadataTable.take_changed>`), so its host time does not grow with
+the number of keys.
 
 A condition runs the host table's own logic (:meth:`Column.condition
 <kalos.stores.metadata.Column.condition>`) with torch arrays: its host operands (the codes of
@@ -28,8 +31,10 @@ import numpy as np
 from kalos.filters import Cond, Node, evaluate
 from kalos.stores.metadata import MetadataTable, SlotChanges
 
-# an isin over at most this many values is a chain of comparisons with scalars: no upload
-_SCALAR_ISIN = 8
+# an isin over at most this many values is a chain of comparisons with scalars (two launches a
+# value, no upload); over more, the values are uploaded (a copy the host waits for) for one
+# isin. Not measured yet: a launch and a small upload cost about the same order of time.
+_SCALAR_ISIN = 2
 
 
 class _TorchOps:
@@ -94,7 +99,9 @@ class DeviceColumns:
             self._grow(table.capacity)
         n = table.used
         self._apply(table.id_changes, (table.slot_ids,), (self._ids,), full, n)
-        for name, column in table.columns.items():
+        changed = table.take_changed()
+        for name in table.columns if full else changed:
+            column = table.columns[name]
             arrays = self._columns.get(name)
             if arrays is None:
                 arrays = self._columns[name] = self._defaults(self._cap)

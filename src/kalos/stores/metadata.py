@@ -245,6 +245,7 @@ class MetadataTable:
         # bumped on every reset: a device mirror of an older generation uploads everything
         self.generation = getattr(self, "generation", -1) + 1
         self.id_changes = SlotChanges()  # slots whose id (slot_ids) changed
+        self.changed_keys: set[str] = set()  # keys whose columns changed: see take_changed
         self._slot_of: dict[int, int] = {}
         self._ids = np.full(0, -1, np.int64)  # [capacity]: the item in each slot, -1 free
         self._free: list[int] = []
@@ -321,10 +322,12 @@ class MetadataTable:
             m = None if meta is None else meta[i]
             old = self.meta.pop(item, None)
             if old:
+                self.changed_keys.update(old)
                 for name in old:
                     self._columns[name].clear(slot)
             if m:
                 self.meta[item] = m
+                self.changed_keys.update(m)
                 for name, value in m.items():
                     column = self._columns.get(name)
                     if column is None:
@@ -388,12 +391,20 @@ class MetadataTable:
                 continue
             old = self.meta.pop(item, None)
             if old:
+                self.changed_keys.update(old)
                 for name in old:
                     self._columns[name].clear(slot)
             self.keys.pop(item, None)
             self._ids[slot] = -1
             self.id_changes.mark(slot)
             self._free.append(slot)
+
+    def take_changed(self) -> list[str]:
+        """The keys whose columns changed since the last call (a device mirror visits those
+        only); forgets them."""
+        keys = list(self.changed_keys)
+        self.changed_keys.clear()
+        return keys
 
     # -- reads -------------------------------------------------------------------------------
 
