@@ -2,8 +2,8 @@
 on the CPU: random filters (random nesting, every operator, missing keys, type mismatches)
 evaluated from the mirror agree with the reference of tests/test_filters.py and with the host
 table, with random adds, metadata replaced, plain adds, removals, slot reuse, grown capacity
-and resets between the searches; after each sync the mirror holds exactly the host's columns;
-and a write uploads only the slots it changed."""
+and resets between the searches (on a CUDA device too, where there is one); after each sync
+the mirror holds exactly the host's columns; and a write uploads only the slots it changed."""
 
 from __future__ import annotations
 
@@ -40,12 +40,24 @@ STEPS = st.lists(
 )
 
 
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ],
+    ),
+]
+
+
 def assert_mirrors(table: MetadataTable, mirror: DeviceColumns) -> None:
     """After a sync the mirror holds the host's arrays, every slot of the capacity."""
     assert mirror.slot_ids.tolist() == table.slot_ids.tolist()
     for key, column in table.columns.items():
         for dev, host in zip(mirror.arrays(key), column.arrays, strict=True):
-            np.testing.assert_array_equal(dev.numpy(), host)
+            np.testing.assert_array_equal(dev.cpu().numpy(), host)
 
 
 @settings(
@@ -53,16 +65,17 @@ def assert_mirrors(table: MetadataTable, mirror: DeviceColumns) -> None:
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
+@pytest.mark.parametrize("device", DEVICES)
 @given(steps=STEPS, singles=st.sampled_from([1, 3, 4096]))
 def test_random_filters_from_the_mirror_agree_with_the_reference(
-    steps: list[Any], singles: int
+    device: str, steps: list[Any], singles: int
 ) -> None:
     with pytest.MonkeyPatch.context() as mp:
         # tiny capacities and change sets, so that growth and folding happen at this size
         mp.setattr(kalos.index.rows, "MIN_CAPACITY", 4)
         mp.setattr(kalos.stores.metadata, "_SINGLE_SLOTS", singles)
         table = MetadataTable()
-        mirror = DeviceColumns(table, "cpu")
+        mirror = DeviceColumns(table, device)
         live: dict[int, Any] = {}
         fresh = 1000
         for step, arg in steps:
@@ -87,7 +100,7 @@ def test_random_filters_from_the_mirror_agree_with_the_reference(
             else:
                 node = filters.parse(arg)
                 got = mirror.matching(node)
-                assert got.dtype == torch.int64 and got.device.type == "cpu"
+                assert got.dtype == torch.int64 and got.device.type == device
                 assert got.tolist() == table.matching(node).tolist()  # slot order too
                 assert sorted(got.tolist()) == sorted(
                     i for i, m in live.items() if reference(arg, m)
