@@ -3,14 +3,17 @@ is evaluated there, into a slot mask and then the allowed ids, without leaving t
 
 Per metadata key the mirror holds the host table's (:mod:`kalos.stores.metadata`) kind [cap]
 int8, num [cap] float64 and code [cap] int64 as torch tensors on the index's device, and the
-slot -> id array [cap] int64 (-1: a free slot). It is synchronised lazily: each write marks
-the slots it changed, per column (:class:`~kalos.stores.metadata.SlotChanges`), and the next
-filtered search uploads those slots only: 25 bytes per key the write touched (the slot index
-8, kind 1, num 8, code 8) and 16 for a slot whose item changed (the slot index and the id).
-A bulk append uploads its slots as one range, without the indices. Grown capacity copies on
-the device (the new slots hold the defaults on both sides); a new key starts from the
-defaults and uploads its marked slots; a reset of the table uploads everything once. A sync
-visits only the keys that changed (:meth:`MetadataTable.take_changed
+slot -> id array [cap] int64 (-1: a free slot). It is synchronised lazily: once a mirror
+exists, each write notes the slots it changed, per column
+(:class:`~kalos.stores.metadata.SlotChanges`), and the next filtered search uploads those
+slots only: 17 bytes per key the write touched (kind 1, num 8, code 8) and 8 for a slot whose
+item changed (a new or removed memory: its id), plus an 8-byte slot index per slot for the
+writes to scattered slots (the first slot written and the appends after it go as one range,
+without indices). Past 4096 scattered slots of one column the upload is their whole span.
+Grown capacity copies on the device (the new slots hold the defaults on both sides); a new
+key starts from the defaults and uploads its noted slots; the first sync, and the first
+after a reset of the table, uploads everything once. A sync visits only the keys that
+changed (:meth:`MetadataTable.take_changed
 <kalos.stores.metadata.MetadataTable.take_changed>`), so its host time does not grow with
 the number of keys.
 
@@ -35,6 +38,7 @@ from kalos.stores.metadata import MetadataTable, SlotChanges
 # value, no upload); over more, the values are uploaded (a copy the host waits for) for one
 # isin. Not measured yet: a launch and a small upload cost about the same order of time.
 _SCALAR_ISIN = 2
+_NO_SLOTS = np.empty(0, np.int64)
 
 
 class _TorchOps:
@@ -77,6 +81,7 @@ class DeviceColumns:
 
         self._torch = torch
         self.table = table
+        table.track_changes()
         self.device = torch.device(device)
         self._ops = _TorchOps(torch, self.device)
         self._generation = -1  # the table's generation last uploaded (-1: none yet)
@@ -132,16 +137,16 @@ class DeviceColumns:
 
     def _apply(
         self,
-        changes: SlotChanges,
+        changes: SlotChanges | None,
         host: tuple[np.ndarray, ...],
         dev: tuple[Any, ...],
         full: bool,
         n: int,
     ) -> None:
         """Copies the changed slots of ``host`` arrays into the ``dev`` ones."""
-        lo, hi, slots = changes.take()
-        if full:
-            lo, hi, slots = 0, n, slots[:0]
+        lo, hi, slots = (0, 0, _NO_SLOTS) if changes is None else changes.take()
+        if full or changes is None:  # everything (None: the table noted nothing)
+            lo, hi, slots = 0, n, _NO_SLOTS
         torch = self._torch
         if lo < hi:
             for h, d in zip(host, dev, strict=True):

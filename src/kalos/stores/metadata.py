@@ -50,16 +50,23 @@ def _element(value: object) -> tuple[str, object] | None:
 
 class SlotChanges:
     """The slots of one column (or of the slot -> id array) written since :meth:`take` last
-    ran: a range ``[lo, hi)`` (bulk appends) and a set of single slots, folded into the range
-    past 4096 so it stays small. A device mirror (kalos.stores.device_columns) takes them to
-    upload what changed, and only that."""
+    ran: a range ``[lo, hi)`` (the first slot written, and the appends after it) and a set of
+    single slots, folded into the range past 4096 so it stays small. A device mirror
+    (kalos.stores.device_columns) takes them to upload what changed, and only that."""
 
     def __init__(self) -> None:
         self.lo = self.hi = 0
         self.slots: set[int] = set()
 
     def mark(self, slot: int) -> None:
-        if self.lo <= slot < self.hi:
+        lo, hi = self.lo, self.hi
+        if lo <= slot < hi:
+            return
+        if lo == hi:  # nothing yet: a range of one
+            self.lo, self.hi = slot, slot + 1
+            return
+        if slot == hi:  # the next slot: an append
+            self.hi = hi + 1
             return
         slots = self.slots
         slots.add(slot)
@@ -120,9 +127,9 @@ HOST: ArrayOps = _NumpyOps()
 class Column:
     """One metadata key over the slots: kind [cap] i8, num [cap] f64, code [cap] i64 (on the
     host), the key's strings and its lists' inverted map, and the slots written since a
-    device mirror last looked (:attr:`changes`)."""
+    device mirror last looked (:attr:`changes`, once the table tracks them)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, tracked: bool = False) -> None:
         self.kind = np.zeros(capacity, np.int8)
         self.num = np.zeros(capacity, np.float64)
         self.code = np.full(capacity, -1, np.int64)
@@ -130,7 +137,7 @@ class Column:
         self.names: list[str] = []
         self.elements: dict[tuple[str, object], set[int]] = {}
         self.slot_elements: dict[int, list[tuple[str, object]]] = {}
-        self.changes = SlotChanges()
+        self.changes = SlotChanges() if tracked else None
 
     @property
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -168,7 +175,8 @@ class Column:
             self.num[slot] = float(value)  # type: ignore[arg-type]
 
     def clear(self, slot: int) -> None:
-        self.changes.mark(slot)  # set() clears first: this marks every write
+        if self.changes is not None:  # set() clears first: this marks every write
+            self.changes.mark(slot)
         if self.kind[slot] == _LIST:
             for e in self.slot_elements.pop(slot, ()):
                 holders = self.elements.get(e)
@@ -239,13 +247,16 @@ class MetadataTable:
     """Metadata dicts and string ids by item id, and their filter columns over slots."""
 
     def __init__(self) -> None:
+        self.generation = -1
+        self.tracking = False  # whether writes note what they change: track_changes
         self.reset()
 
     def reset(self) -> None:
         # bumped on every reset: a device mirror of an older generation uploads everything
-        self.generation = getattr(self, "generation", -1) + 1
-        self.id_changes = SlotChanges()  # slots whose id (slot_ids) changed
-        self.changed_keys: set[str] = set()  # keys whose columns changed: see take_changed
+        self.generation += 1
+        # slots whose id (slot_ids) changed, and the keys whose columns did, when tracking
+        self.id_changes: SlotChanges | None = SlotChanges() if self.tracking else None
+        self.changed_keys: set[str] = set()
         self._slot_of: dict[int, int] = {}
         self._ids = np.full(0, -1, np.int64)  # [capacity]: the item in each slot, -1 free
         self._free: list[int] = []
@@ -315,6 +326,7 @@ class MetadataTable:
         if meta is None and keys is None:
             self._upsert_plain(ids)
             return
+        tracking = self.tracking
         for i, item in enumerate(ids):
             slot = self._slot_of.get(item)
             if slot is None:
@@ -322,16 +334,18 @@ class MetadataTable:
             m = None if meta is None else meta[i]
             old = self.meta.pop(item, None)
             if old:
-                self.changed_keys.update(old)
+                if tracking:
+                    self.changed_keys.update(old)
                 for name in old:
                     self._columns[name].clear(slot)
             if m:
                 self.meta[item] = m
-                self.changed_keys.update(m)
+                if tracking:
+                    self.changed_keys.update(m)
                 for name, value in m.items():
                     column = self._columns.get(name)
                     if column is None:
-                        column = self._columns[name] = Column(self._ids.shape[0])
+                        column = self._columns[name] = Column(self._ids.shape[0], tracking)
                     column.set(slot, value)
             key = None if keys is None else keys[i]
             if key is None:
@@ -358,7 +372,8 @@ class MetadataTable:
         first = self._used
         self._reserve(first + len(rest))
         self._ids[first : first + len(rest)] = rest
-        self.id_changes.mark_range(first, first + len(rest))
+        if self.id_changes is not None:
+            self.id_changes.mark_range(first, first + len(rest))
         slot_of.update(zip(rest, range(first, first + len(rest)), strict=True))
         self._used = first + len(rest)
 
@@ -380,7 +395,8 @@ class MetadataTable:
             self._used += 1
             self._reserve(slot + 1)
         self._ids[slot] = item
-        self.id_changes.mark(slot)
+        if self.id_changes is not None:
+            self.id_changes.mark(slot)
         self._slot_of[item] = slot
         return slot
 
@@ -391,13 +407,27 @@ class MetadataTable:
                 continue
             old = self.meta.pop(item, None)
             if old:
-                self.changed_keys.update(old)
+                if self.tracking:
+                    self.changed_keys.update(old)
                 for name in old:
                     self._columns[name].clear(slot)
             self.keys.pop(item, None)
             self._ids[slot] = -1
-            self.id_changes.mark(slot)
+            if self.id_changes is not None:
+                self.id_changes.mark(slot)
             self._free.append(slot)
+
+    def track_changes(self) -> None:
+        """From now on every write notes the slots and keys it changes (:class:`SlotChanges`,
+        :meth:`take_changed`), for the one device mirror of this table, which uploads them.
+        Until then writes note nothing (the mirror's first upload is of everything)."""
+        if self.tracking:
+            return
+        self.tracking = True
+        self.id_changes = SlotChanges()
+        for column in self._columns.values():
+            column.changes = SlotChanges()
+        self.changed_keys = set()
 
     def take_changed(self) -> list[str]:
         """The keys whose columns changed since the last call (a device mirror visits those
