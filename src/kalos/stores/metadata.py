@@ -12,7 +12,8 @@ comparison other than equality runs over the key's distinct strings, then one ``
 A condition's logic (:meth:`Column.condition`) is written once over an array-ops shim
 (:class:`ArrayOps`): numpy here, torch in the device mirror of a store whose index is on a
 GPU (:mod:`kalos.stores.device_columns`), which uploads only the slots each write changed
-(:class:`SlotChanges`, kept per column and for the slot -> id array).
+(:class:`SlotChanges`, kept per column and for the slot -> id array once a mirror exists:
+:meth:`MetadataTable.track_changes`; before that, writes note nothing).
 
 The item's metadata dict itself is kept as given (returned by search and lookup, written to
 snapshots); the columns are rebuilt from it on restore.
