@@ -156,3 +156,25 @@ def test_store_filters_on_the_device_with_writes_between(steps: list) -> None:
             x = np.stack([vectors[i] for i in keep])
             check_result(idx, x, np.array(keep, np.int64), None, q, k, s, got)
     assert all(isinstance(a, torch.Tensor) for a in allowed)
+
+
+@pytest.mark.parametrize("step, path", [(50, "gather"), (2, "masked")])
+def test_allowed_ids_as_a_device_tensor(step: int, path: str) -> None:
+    rng = np.random.default_rng(9)
+    n, dim, k = 400, 16, 8
+    idx = make_index("ip", "fp32", dim, "cpu")
+    x = rng.standard_normal((n, dim)).astype(np.float32)
+    ids = np.arange(n, dtype=np.int64) * 3 + 1
+    idx.add(x, ids)
+    keep = np.zeros(n, bool)
+    keep[::step] = True  # 8 rows (16 ids: under 1/16 of the rows still), or half of them
+    allow = torch.from_numpy(np.concatenate([ids[keep], ids[keep], [10**6]]))  # twice, unknown
+    q = rng.standard_normal((2, dim)).astype(np.float32)
+    masked = []
+    scan = idx._search_masked
+    idx._search_masked = lambda *a: masked.append(1) or scan(*a)  # type: ignore[method-assign]
+    s, got = idx.search(q, k, allow=allow)
+    check_result(idx, x[keep], ids[keep], None, q, k, s, got)
+    assert len(masked) == (path == "masked")
+    s, got = idx.search(q, k, allow=allow[:0])
+    assert (got == -1).all()

@@ -533,6 +533,7 @@ class CudaFlatIndex:
             return out_s, out_i
         if rows_t.numel() >= ALLOW_GATHER_BELOW * self._n:
             return self._search_masked(q, k, filt, rows_t)
+        rows_t = torch.unique(rows_t)  # a row given twice is still one candidate
         if filt is not None:
             keep = torch.ones(rows_t.numel(), dtype=torch.bool, device=self.device)
             scopes = self._scopes.index_select(1, rows_t)  # [3, m]
@@ -558,8 +559,8 @@ class CudaFlatIndex:
         return out_s, out_i
 
     def _rows_on_device(self, wanted: Any) -> Any:
-        """The rows (device int64, unique) of the ones of ``wanted`` ids (numpy, or int64 on
-        the device) that are present:
+        """The rows (device int64; unique where ``wanted`` is) of the ones of ``wanted`` ids
+        (numpy, or int64 on the device) that are present:
         ``torch.searchsorted`` in the live ids sorted on the device (sorted again only after a
         write that added or moved rows), so matching many ids costs no host time per id."""
         torch = self._torch
@@ -573,7 +574,7 @@ class CudaFlatIndex:
             else torch.from_numpy(np.ascontiguousarray(wanted)).to(self.device)
         )
         pos = torch.searchsorted(keys, want).clamp_(max=keys.numel() - 1)
-        return torch.unique(order[pos[keys[pos] == want]])
+        return order[pos[keys[pos] == want]]
 
     def _search_masked(
         self, q: Any, k: int, filt: tuple[int, int, int] | None, rows_t: Any
