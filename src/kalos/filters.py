@@ -40,9 +40,7 @@ import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
-
-import numpy as np
+from typing import Any, Protocol, TypeVar
 
 from kalos.errors import InvalidRequest
 
@@ -264,26 +262,38 @@ def check_metadata(meta: object, i: int) -> dict[str, Any] | None:
     return dict(meta)
 
 
-def evaluate(node: Node, columns: ColumnSource, n: int) -> np.ndarray:
-    """The rows [n] bool of ``columns`` that match ``node`` (vectorised, per column)."""
+Mask = TypeVar("Mask", covariant=True)
+
+
+class ColumnSource(Protocol[Mask]):
+    """What :func:`evaluate` needs of a metadata table's columns (kalos.stores.metadata on the
+    host, kalos.stores.device_columns on a device): the [n] bool mask of the rows one
+    condition holds for, and of every row. Each call returns a new mask (evaluate combines
+    them in place)."""
+
+    def condition(self, cond: Cond, n: int) -> Mask: ...
+
+    def everything(self, n: int) -> Mask: ...
+
+
+def evaluate(node: Node, columns: ColumnSource[Mask], n: int) -> Mask:
+    """The rows [n] of ``columns`` that match ``node``, as the columns' bool mask type: a
+    numpy array over the host's columns, a torch tensor over a device's (vectorised, per
+    column; the logic combines masks with ``~``, ``&=`` and ``|=`` only)."""
     if isinstance(node, Logic):
         if node.op == "not":
-            return ~evaluate(node.parts[0], columns, n)
+            inner: Any = evaluate(node.parts[0], columns, n)
+            return ~inner
         if not node.parts:
-            return np.ones(n, bool)
-        out = evaluate(node.parts[0], columns, n)
-        combine = np.logical_and if node.op == "and" else np.logical_or
+            return columns.everything(n)
+        out: Any = evaluate(node.parts[0], columns, n)
         for part in node.parts[1:]:
-            combine(out, evaluate(part, columns, n), out=out)
+            if node.op == "and":
+                out &= evaluate(part, columns, n)
+            else:
+                out |= evaluate(part, columns, n)
         return out
     return columns.condition(node, n)
-
-
-class ColumnSource(Protocol):
-    """What :func:`evaluate` needs of a metadata table (kalos.stores.metadata implements it):
-    the [n] bool mask of the rows one condition holds for."""
-
-    def condition(self, cond: Cond, n: int) -> np.ndarray: ...
 
 
 __all__ = [

@@ -1,6 +1,7 @@
 """Metadata filters on a ``--device cuda`` sidecar: the exact top-k of the matching rows, on
 both of ``cuda:flat``'s paths (a gather of few rows; the scan kernel with a row mask), with a
-scope filter and after removals, against a float64 reference; and a filtered search's latency
+scope filter and after removals, against a float64 reference; with writes between the
+searches (the columns' mirror on the GPU follows them); and a filtered search's latency
 beside the unfiltered one at 1M rows (printed; the run of record is ``kalos bench
 search-filtered --device cuda``).
 
@@ -88,4 +89,57 @@ def test_filtered_latency_beside_unfiltered() -> None:
                 t.append(time.perf_counter_ns() - t0)
             print(f"{where}: p50 {np.percentile(t, 50) / 1e3:.1f} µs, "
                   f"p99 {np.percentile(t, 99) / 1e3:.1f} µs")  # fmt: skip
+        client.close()
+
+
+def test_filtered_search_follows_writes() -> None:
+    """The filter's columns on the GPU follow the writes between filtered searches: metadata
+    replaced, removals, new items in the freed slots; on both paths (a selective filter
+    gathers, a broad one masks the scan)."""
+    rng = np.random.default_rng(5)
+    n, fresh = 4000, 1000
+    base = rng.standard_normal((n + fresh, DIM)).astype(np.float32)
+    stored = base.astype(np.float16).astype(np.float64)
+    meta = {i: {"bucket": i % 10, "low": i < 400} for i in range(n)}
+    q = rng.standard_normal((3, DIM)).astype(np.float32)
+
+    def check(client: kalos.Client, bucket: int) -> None:
+        for where in ({"bucket": bucket}, {"bucket": bucket, "low": True}):
+            rows = np.array(
+                [i for i, m in meta.items() if all(m[k] == v for k, v in where.items())], np.int64
+            )
+            for x in q:
+                hits = client.search(x, 10, where=where, metadata=True, copy=True)
+                got = [int(k.split("-")[1]) for k in hits.keys if k]
+                assert all(i in meta and meta[i]["bucket"] == bucket for i in got)
+                scores = stored[rows] @ x.astype(np.float64)
+                want = scores[np.argsort(-scores)[:10]]
+                mine = np.sort(stored[got] @ x.astype(np.float64))[::-1]
+                np.testing.assert_allclose(mine, want, rtol=2e-3, atol=2e-3)
+
+    def add(client: kalos.Client, items: list[int]) -> None:
+        client.add(base[items], [f"doc-{i}" for i in items], metadata=[meta[i] for i in items])
+
+    with isolated_sidecar(
+        dim=DIM, name="gpu-filters-writes", extra_args=("--device", "cuda")
+    ) as sc:
+        client = sc.connect(timeout=120)
+        add(client, list(range(n)))
+        check(client, 3)
+        moved = list(range(0, n, 10))  # bucket 0 -> 3: metadata replaced in place
+        for i in moved:
+            meta[i] = {"bucket": 3, "low": meta[i]["low"]}
+        add(client, moved)
+        check(client, 3)
+        check(client, 0)
+        gone = list(range(3, n, 20))
+        client.remove([f"doc-{i}" for i in gone])
+        for i in gone:
+            del meta[i]
+        check(client, 3)
+        new = list(range(n, n + fresh))  # into the freed slots first
+        for i in new:
+            meta[i] = {"bucket": 3, "low": True}
+        add(client, new)
+        check(client, 3)
         client.close()

@@ -17,6 +17,9 @@ Conventions every backend keeps (the conformance tests in ``tests/index`` pin th
 * ``allow``: ids [m] int64 that a search may return (a metadata filter's matches, see
   :mod:`kalos.filters`); None: every id. The result is the exact top-k of the items that
   match both the scope and ``allow``; ids in ``allow`` that are not stored are ignored.
+  A backend whose rows live on a device may say so with a ``filter_device`` attribute (a
+  torch device): a store then evaluates filters there and passes ``allow`` as an int64
+  tensor on it (kalos.stores.device_columns). Host backends have no such attribute.
 * Bad input raises :class:`kalos.errors.InvalidRequest`; an unknown id in ``reconstruct``
   raises :class:`kalos.errors.NotFound`.
 """

@@ -238,6 +238,12 @@ class CudaFlatIndex:
         return self._generation
 
     @property
+    def filter_device(self) -> Any:
+        """Where a metadata filter over this index is evaluated: its device. A store passes
+        ``allow`` to :meth:`search` as ids on it (kalos.stores.device_columns)."""
+        return self.device
+
+    @property
     def nbytes(self) -> int:
         """Device bytes held by the storage (at capacity): vectors, ids, scopes, norms, and
         the prefilter's codes and meta."""
@@ -475,12 +481,13 @@ class CudaFlatIndex:
         k: int,
         *,
         scope: tuple[int, int, int] | None = None,
-        allow: np.ndarray | None = None,
+        allow: Any = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Exact top-k: (scores [nq, k] float32, ids [nq, k] int64), numpy copies owned by the
         caller. ip/cosine descending, l2 squared distance ascending; missing results are id -1
-        with score -inf (ip/cosine) or +inf (l2). ``allow``: ids [m] int64, the only ones that
-        may be returned (a metadata filter's matches): see :meth:`_search_allowed`."""
+        with score -inf (ip/cosine) or +inf (l2). ``allow``: ids [m] int64 (numpy, or a torch
+        tensor on :attr:`filter_device`), the only ones that may be returned (a metadata
+        filter's matches): see :meth:`_search_allowed`."""
         q = self.device_queries(queries)
         k = _k_in(k)
         filt = _scope_in(scope)
@@ -510,12 +517,13 @@ class CudaFlatIndex:
         return self._torch.tensor(vals, dtype=self._torch.int64, device=self.device)
 
     def _search_allowed(
-        self, q: Any, k: int, filt: tuple[int, int, int] | None, allow: np.ndarray
+        self, q: Any, k: int, filt: tuple[int, int, int] | None, allow: Any
     ) -> tuple[np.ndarray, np.ndarray]:
         """The exact top-k of the rows whose id is in ``allow`` (and that match ``filt``).
 
-        The allowed rows are found on the host for a few ids (the id map), on the device for
-        many (:meth:`_rows_on_device`). Fewer than :data:`ALLOW_GATHER_BELOW` of the rows: the
+        The allowed rows are found on the host for a few ids given on the host (the id map),
+        on the device for many, and for ids given as a device tensor, which never come to the
+        host (:meth:`_rows_on_device`). Fewer than :data:`ALLOW_GATHER_BELOW` of the rows: the
         gather path, those rows gathered on the device, scored there in fp32, then
         ``torch.topk`` (the cost follows the rows that match, not the index). More: the scan
         kernel itself, with the allowed rows as a row mask (:meth:`_search_masked`).
@@ -525,19 +533,26 @@ class CudaFlatIndex:
         worst = np.inf if self.metric == "l2" else -np.inf
         out_s = np.full((nq, k), worst, np.float32)
         out_i = np.full((nq, k), -1, np.int64)
-        wanted = _to_numpy(allow).astype(np.int64, copy=False).reshape(-1)
-        if self._n == 0 or wanted.size == 0:
-            return out_s, out_i
-        if wanted.size < self._n // 16:  # a few: look each up (a dict lookup each)
-            get = self._id_map().get
-            rows = np.fromiter((get(i, -1) for i in wanted.tolist()), np.int64, wanted.size)
-            rows_t = torch.from_numpy(np.unique(rows[rows >= 0])).to(self.device)
-        else:  # many: a binary search on the device, in the ids sorted there
-            rows_t = self._rows_on_device(wanted)
+        if isinstance(allow, torch.Tensor):  # on the device: matched there
+            wanted_t = allow.reshape(-1).to(device=self.device, dtype=torch.int64)
+            if self._n == 0 or wanted_t.numel() == 0:
+                return out_s, out_i
+            rows_t = self._rows_on_device(wanted_t)
+        else:
+            wanted = _to_numpy(allow).astype(np.int64, copy=False).reshape(-1)
+            if self._n == 0 or wanted.size == 0:
+                return out_s, out_i
+            if wanted.size < self._n // 16:  # a few: look each up (a dict lookup each)
+                get = self._id_map().get
+                rows = np.fromiter((get(i, -1) for i in wanted.tolist()), np.int64, wanted.size)
+                rows_t = torch.from_numpy(np.unique(rows[rows >= 0])).to(self.device)
+            else:  # many: a binary search on the device, in the ids sorted there
+                rows_t = self._rows_on_device(wanted)
         if rows_t.numel() == 0:
             return out_s, out_i
         if rows_t.numel() >= ALLOW_GATHER_BELOW * self._n:
             return self._search_masked(q, k, filt, rows_t)
+        rows_t = torch.unique(rows_t)  # a row given twice is still one candidate
         if filt is not None:
             keep = torch.ones(rows_t.numel(), dtype=torch.bool, device=self.device)
             scopes = self._scopes.index_select(1, rows_t)  # [3, m]
@@ -562,8 +577,9 @@ class CudaFlatIndex:
         out_i[:, :kk] = self._ids.index_select(0, rows_t)[pos.reshape(-1)].reshape(nq, kk).cpu()
         return out_s, out_i
 
-    def _rows_on_device(self, wanted: np.ndarray) -> Any:
-        """The rows (device int64, unique) of the ones of ``wanted`` ids that are present:
+    def _rows_on_device(self, wanted: Any) -> Any:
+        """The rows (device int64; unique where ``wanted`` is) of the ones of ``wanted`` ids
+        (numpy, or int64 on the device) that are present:
         ``torch.searchsorted`` in the live ids sorted on the device (sorted again only after a
         write that added or moved rows), so matching many ids costs no host time per id."""
         torch = self._torch
@@ -571,9 +587,13 @@ class CudaFlatIndex:
             keys, order = torch.sort(self._ids[: self._n])
             self._sorted = keys, order
         keys, order = self._sorted
-        want = torch.from_numpy(np.ascontiguousarray(wanted)).to(self.device)
+        want = (
+            wanted
+            if isinstance(wanted, torch.Tensor)
+            else torch.from_numpy(np.ascontiguousarray(wanted)).to(self.device)
+        )
         pos = torch.searchsorted(keys, want).clamp_(max=keys.numel() - 1)
-        return torch.unique(order[pos[keys[pos] == want]])
+        return order[pos[keys[pos] == want]]
 
     def _search_masked(
         self, q: Any, k: int, filt: tuple[int, int, int] | None, rows_t: Any

@@ -29,6 +29,7 @@ from kalos.index.rows import RowTable
 from kalos.protocol import codes
 from kalos.protocol import layout as L
 from kalos.protocol.codes import check_k
+from kalos.stores.device_columns import DeviceColumns
 from kalos.stores.limits import Limits, check_size
 from kalos.stores.metadata import MetadataTable
 from kalos.types import Scope
@@ -124,6 +125,9 @@ class MemoryStore:
         self._scoped = RowTable()
         # Metadata and string ids, and their filter columns (kalos.stores.metadata).
         self.metadata = MetadataTable()
+        # their mirror on the index's device, for an index with a filter_device (made at the
+        # first filtered search there)
+        self._device_columns: DeviceColumns | None = None
 
     def __len__(self) -> int:
         return len(self.index)
@@ -343,7 +347,7 @@ class MemoryStore:
         check_k(k)
         allow = None
         if where is not None:
-            allow = self.metadata.matching(where)
+            allow = self._allowed(where)
         elif self.gpu is not None:
             return self.gpu.search(queries, k, self.scopes.filter(scope), out, pinned)
         scores, ids = self.index.search(queries, k, scope=self.scopes.filter(scope), allow=allow)
@@ -352,6 +356,19 @@ class MemoryStore:
         out[0][...] = scores
         out[1][...] = ids
         return out
+
+    def _allowed(self, where: Node) -> Any:
+        """The ids a search filtered by ``where`` may return, evaluated where the index lives:
+        on the host (ids [m] int64) for an index there; for an index on a device (its
+        ``filter_device``), there, from a mirror of the metadata columns that uploads what
+        changed since the last filtered search (a device tensor of ids)."""
+        device = getattr(self.index, "filter_device", None)
+        if device is None:
+            return self.metadata.matching(where)
+        mirror = self._device_columns
+        if mirror is None or mirror.device != device:
+            mirror = self._device_columns = DeviceColumns(self.metadata, device)
+        return mirror.matching(where)
 
     def search_many(
         self, members: Sequence[tuple[np.ndarray, int, Scope | None]]
