@@ -115,8 +115,14 @@ CREATE TABLE IF NOT EXISTS kalos_feed (
 );
 INSERT INTO kalos_feed VALUES (true, 0) ON CONFLICT DO NOTHING;
 -- drawn once, when the tables are created: a snapshot of another feed is never resumed
-ALTER TABLE kalos_feed ADD COLUMN IF NOT EXISTS feed_id text NOT NULL
-    DEFAULT md5(random()::text || clock_timestamp()::text);
+-- (added only where missing: an ALTER TABLE would lock the feed against every writer)
+DO $$ BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'kalos_feed'::regclass
+                   AND attname = 'feed_id' AND NOT attisdropped) THEN
+        ALTER TABLE kalos_feed ADD COLUMN feed_id text NOT NULL
+            DEFAULT md5(random()::text || clock_timestamp()::text);
+    END IF;
+END $$;
 CREATE TABLE IF NOT EXISTS kalos_changes (
     seq bigint PRIMARY KEY,
     at timestamptz NOT NULL DEFAULT now(),
