@@ -501,12 +501,14 @@ def test_a_restart_resumes_from_its_snapshot_and_follows_what_it_missed(
         _write_a_history(other, 200)  # while it is down: adds, removes, state changes
         assert other.remove([5, 105]) == 2
         other.put(KEYS[0], b"while down")
+        head = other.stats()["source"]["applied"]
         with Sidecar(cfg) as sc, kalos.Client("snap", runtime_dir=runtime_dir) as c:
             assert sc.source is not None
             st = c.stats()["source"]
             assert st["resumed"] is True, st["resume_reason"]
             assert st["loaded_rows"] == 0 and st["reloads"] == 0
             assert sc.source.recovery["snapshot_position"] == position
+            assert sc.source.recovery["applied"] >= head  # ready once caught up
             assert f"position {position}" in st["resume_reason"]
             _equal_to_a_full_load(c, source, runtime_dir, items)
             other.add(vector(300)[None], [300], ["after"])  # and it follows on
@@ -545,10 +547,11 @@ def test_a_restart_after_the_feed_was_pruned_past_it_reloads(
             _equal_to_a_full_load(c, source, runtime_dir, items)
 
 
-def test_a_snapshot_of_another_database_is_not_resumed(
+def test_a_damaged_snapshot_or_one_of_another_database_is_not_resumed(
     pg: PostgresServer, source: str, runtime_dir: str, tmp_path: Path
 ) -> None:
     from kalos.server import Sidecar
+    from kalos.server.durability import list_snapshots
 
     data = tmp_path / "data"
     with (
@@ -556,6 +559,16 @@ def test_a_snapshot_of_another_database_is_not_resumed(
         kalos.Client("snap", runtime_dir=runtime_dir) as c,
     ):
         _write_a_history(c, 0)
+    ((_, path),) = list_snapshots(str(data))
+    good = Path(path, "snapshot.db").read_bytes()
+    Path(path, "snapshot.db").write_bytes(b"\0" * len(good))
+    with (
+        Sidecar(_replica_config("snap", source, runtime_dir, data)) as sc,
+        kalos.Client("snap", runtime_dir=runtime_dir) as c,
+    ):
+        assert sc.source is not None and sc.source.recovery["resumed"] is False
+        assert "cannot be read" in sc.source.recovery["resume_reason"]
+        _equal_to_a_full_load(c, source, runtime_dir, range(0, 40))
     other_db = pg.create_database(f"kalos_{os.getpid()}_{next(_db_names)}")
     with (
         Sidecar(_replica_config("snap", other_db, runtime_dir, data)) as sc,

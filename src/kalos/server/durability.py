@@ -31,7 +31,9 @@ fsyncs the files, renames the directory into place, and deletes the older snapsh
 log segments it covers. A crash at any point leaves either the old snapshot plus the whole
 log, or the new one plus the log after it; a snapshot that fails (a full disk, a child that
 dies) is logged and leaves the log covering everything. While a forked child writes, pages
-the parent changes are copied: memory can grow by up to the stores' size meanwhile.
+the parent changes are copied: memory can grow by up to the stores' size meanwhile. The
+same machinery (:class:`SnapshotDirectory`) writes and restores the snapshots of a
+``--source`` replica (kalos.server.source), named by feed position, with no log.
 
 Recovery (before the sidecar reports ready): check ``identity.json`` against this sidecar's
 configuration, restore the newest ``snap-*``, replay the log records after its LSN, cut a
@@ -160,6 +162,7 @@ class SnapshotDirectory:
         self.identity = dict(identity or {})
         self.snapshot_lsn = 0  # of the newest complete snapshot
         self.snapshot_taken = -float("inf")  # when it was taken (time.perf_counter)
+        self.meta: dict[str, str] = {}  # more snapshot_meta rows, recorded in every snapshot
         self._finisher: threading.Thread | None = None
         self._lock_fd = -1
         self.last_snapshot: dict[str, Any] = {}
@@ -219,13 +222,10 @@ class SnapshotDirectory:
         finally:
             db.close()
 
-    def _begin(
-        self, lsn: int, background: bool, meta: Mapping[str, str] | None = None
-    ) -> tuple[str, int, list[Any]] | None:
+    def _begin(self, lsn: int, background: bool) -> tuple[str, int, list[Any]] | None:
         """Starts the snapshot through ``lsn`` (called with the dispatch lock held): writes
         the stores into a temporary directory, from a forked child when ``background`` and
-        :attr:`fork`. Returns (directory, child pid or 0, holds), or None when it failed.
-        ``meta``: more ``snapshot_meta`` rows."""
+        :attr:`fork`. Returns (directory, child pid or 0, holds), or None when it failed."""
         # Named by pid too: a writer orphaned by a crash never shares a directory.
         tmp = os.path.join(self.data_dir, f"{snapshot_name(lsn)}.{os.getpid()}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -241,9 +241,9 @@ class SnapshotDirectory:
                     for store in self.stores.values()
                     if (h := getattr(store, "hold", lambda: None)()) is not None
                 ]
-                child = self._fork_writer(tmp, lsn, meta)
+                child = self._fork_writer(tmp, lsn)
             else:
-                self._write_stores(tmp, lsn, meta)
+                self._write_stores(tmp, lsn)
         except Exception:  # e.g. the disk filled up
             log.exception("the snapshot through %d failed", lsn)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -272,7 +272,7 @@ class SnapshotDirectory:
             self._finish(tmp, lsn, info, t0, child, holds)
         return info
 
-    def _fork_writer(self, directory: str, lsn: int, meta: Mapping[str, str] | None) -> int:
+    def _fork_writer(self, directory: str, lsn: int) -> int:
         """Forks a child that writes the stores as they are now; returns its pid.
 
         Called with the dispatch lock held, so the child's copy is the state through ``lsn``.
@@ -294,7 +294,7 @@ class SnapshotDirectory:
             if os.getppid() != parent:
                 os._exit(1)
             os.closerange(3, os.sysconf("SC_OPEN_MAX"))
-            self._write_stores(directory, lsn, meta)
+            self._write_stores(directory, lsn)
             code = 0
         except BaseException:
             with contextlib.suppress(BaseException):
@@ -321,9 +321,7 @@ class SnapshotDirectory:
                 return False
             time.sleep(0.02)
 
-    def _write_stores(
-        self, directory: str, lsn: int, meta: Mapping[str, str] | None = None
-    ) -> None:
+    def _write_stores(self, directory: str, lsn: int) -> None:
         db = sqlite3.connect(os.path.join(directory, "snapshot.db"), isolation_level=None)
         try:
             db.execute("PRAGMA journal_mode=OFF")  # a new file, fsynced before it is used
@@ -337,7 +335,7 @@ class SnapshotDirectory:
                 "created_ns": str(time.time_ns()),
                 "stores": json.dumps(list(self.stores)),
                 "identity": json.dumps(self.identity),
-                **(meta or {}),
+                **self.meta,
             }
             db.execute("CREATE TABLE snapshot_meta (key TEXT PRIMARY KEY, value TEXT)")
             db.executemany("INSERT INTO snapshot_meta VALUES (?, ?)", rows.items())

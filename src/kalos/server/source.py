@@ -480,8 +480,7 @@ class Source:
             if self._loading or self.feed_id is None or self.applied == files.snapshot_lsn:
                 return None
             position = self.applied
-            meta = {"source_feed": self.feed_id, "source_schema": str(SCHEMA_VERSION)}
-            begun = files._begin(position, background, meta)
+            begun = files._begin(position, background)
             if begun is None:
                 return None
         return files._launch(begun, position, t0, background)
@@ -705,22 +704,12 @@ class Source:
         tables, starts following, and waits until the follower is within ``max_lag``
         positions of the feed's head."""
         t0 = time.perf_counter()
-        newest = self._open_data_dir()
-        with self._connect(autocommit=True) as conn:
-            with conn.transaction():
-                # one sidecar at a time runs the DDL (CREATE ... IF NOT EXISTS races otherwise)
-                conn.execute("SELECT pg_advisory_xact_lock(hashtext('kalos_schema'))")
-                conn.execute(SCHEMA)
-            self.feed_id = str(conn.execute("SELECT feed_id FROM kalos_feed").fetchone()[0])
+        try:
+            self._start(self._open_data_dir())
+        except BaseException:
             if self.snapshots is not None:
-                self.resumed, self.resume_reason = self._resume(conn, newest)
-            if not self.resumed:
-                if self.snapshots is not None:
-                    log.info("not resuming (%s): loading the tables", self.resume_reason)
-                self._load(conn)
-        self.connected = True
-        self._thread = threading.Thread(target=self._follow, name="kalos-follower", daemon=True)
-        self._thread.start()
+                self.snapshots._release_lock()
+            raise
         while self.head - self.applied > self.max_lag or not self.connected:
             if stop() or self._stopping.is_set():
                 break
@@ -736,6 +725,29 @@ class Source:
         }
         log.info("recovered from %s: %s", self.where, json.dumps(self.recovery))
         return self.recovery
+
+    def _start(self, newest: tuple[int, str] | None) -> None:
+        """Creates the schema, resumes from ``newest`` (a snapshot's position and path) or
+        loads the tables, and starts the follower."""
+        with self._connect(autocommit=True) as conn:
+            with conn.transaction():
+                # one sidecar at a time runs the DDL (CREATE ... IF NOT EXISTS races otherwise)
+                conn.execute("SELECT pg_advisory_xact_lock(hashtext('kalos_schema'))")
+                conn.execute(SCHEMA)
+            self.feed_id = str(conn.execute("SELECT feed_id FROM kalos_feed").fetchone()[0])
+            if self.snapshots is not None:  # recorded in every snapshot, checked on resume
+                self.snapshots.meta = {
+                    "source_feed": self.feed_id,
+                    "source_schema": str(SCHEMA_VERSION),
+                }
+                self.resumed, self.resume_reason = self._resume(conn, newest)
+            if not self.resumed:
+                if self.snapshots is not None:
+                    log.info("not resuming (%s): loading the tables", self.resume_reason)
+                self._load(conn)
+        self.connected = True
+        self._thread = threading.Thread(target=self._follow, name="kalos-follower", daemon=True)
+        self._thread.start()
 
     def _open_data_dir(self) -> tuple[int, str] | None:
         """Takes the data directory (its lock), checks that it holds no write-ahead log,
@@ -789,7 +801,7 @@ class Source:
         for key, ours in files.identity.items():
             if theirs.get(key) != ours:
                 return False, f"the snapshot was written with {key}={theirs.get(key)!r}"
-        gone = self._hold_feed(conn, position)
+        head, gone = self._hold_feed(conn, position)
         if gone is not None:
             return False, gone
         t0 = time.perf_counter()
@@ -800,20 +812,25 @@ class Source:
             log.warning("the snapshot at position %d cannot be restored", position, exc_info=True)
             return False, f"the snapshot cannot be restored: {type(exc).__name__}: {exc}"
         self.bootstrap_s = time.perf_counter() - t0
-        self.applied = self.head = self.applied_from = position
+        self.applied = self.applied_from = position
+        self.head = head  # readiness waits for the follower to apply up to it
         files.snapshot_lsn = position
         age_s = max(0.0, (time.time_ns() - int(meta.get("created_ns", 0))) / 1e9)
         files.snapshot_taken = time.perf_counter() - age_s
         return True, f"resumed from the snapshot at position {position}"
 
-    def _hold_feed(self, conn: Any, position: int) -> str | None:
-        """Whether the feed holds every change after ``position``: None when it does (and
-        this follower's row now keeps them from being pruned), else why not."""
+    def _hold_feed(self, conn: Any, position: int) -> tuple[int, str | None]:
+        """The feed's head, and whether the feed holds every change after ``position``: None
+        when it does (and this follower's row now keeps them from being pruned), else why
+        not."""
         with conn.transaction():
             conn.execute(PRUNE_LOCK)  # no prune between the count and the follower's row
             head = int(conn.execute("SELECT head FROM kalos_feed").fetchone()[0])
             if head < position:
-                return f"the snapshot (position {position}) is ahead of the feed (head {head})"
+                return (
+                    head,
+                    f"the snapshot (position {position}) is ahead of the feed (head {head})",
+                )
             held = int(
                 conn.execute(
                     "SELECT count(*) FROM kalos_changes WHERE seq > %s AND seq <= %s",
@@ -821,7 +838,7 @@ class Source:
                 ).fetchone()[0]
             )
             if held != head - position:
-                return (
+                return head, (
                     f"the feed no longer holds every change after position {position} "
                     f"({held} of {head - position} rows left: pruned)"
                 )
@@ -830,7 +847,7 @@ class Source:
                 "DO UPDATE SET applied = EXCLUDED.applied, seen = now()",
                 (self.follower, position),
             )
-        return None
+        return head, None
 
     def _load(self, conn: Any) -> None:
         """Replaces the local memories and state with the tables' rows (one snapshot: COPY in
