@@ -167,7 +167,21 @@ class SnapshotDirectory:
         self._lock_fd = -1
         self.last_snapshot: dict[str, Any] = {}
 
-    def _take_lock(self) -> None:
+    @property
+    def busy(self) -> bool:
+        """A snapshot is still being finished (in the background)."""
+        return self._finisher is not None and self._finisher.is_alive()
+
+    def wait_finished(self, timeout: float | None = None) -> bool:
+        """Waits for a snapshot being finished; True when none is left running."""
+        if self._finisher is not None:
+            self._finisher.join(timeout)
+            if self._finisher.is_alive():
+                return False
+            self._finisher = None
+        return True
+
+    def take_lock(self) -> None:
         fd = os.open(os.path.join(self.data_dir, "LOCK"), os.O_RDWR | os.O_CREAT, 0o600)
         deadline = time.monotonic() + LOCK_WAIT_S
         while True:
@@ -183,19 +197,19 @@ class SnapshotDirectory:
                 time.sleep(0.05)
         self._lock_fd = fd
 
-    def _release_lock(self) -> None:
+    def release_lock(self) -> None:
         if self._lock_fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(self._lock_fd)
             self._lock_fd = -1
 
-    def _remove_unfinished(self) -> None:
+    def remove_unfinished(self) -> None:
         """Deletes the temporary directories of snapshots that never finished."""
         for name in os.listdir(self.data_dir):
             if name.startswith("snap-") and name.endswith(".tmp"):
                 shutil.rmtree(os.path.join(self.data_dir, name), ignore_errors=True)
 
-    def _read_meta(self, path: str, lsn: int) -> dict[str, str]:
+    def read_meta(self, path: str, lsn: int) -> dict[str, str]:
         """The snapshot's ``snapshot_meta``; StoreError when this version cannot read it."""
         try:
             db = sqlite3.connect(f"file:{os.path.join(path, 'snapshot.db')}?mode=ro", uri=True)
@@ -209,7 +223,7 @@ class SnapshotDirectory:
             raise StoreError(f"{path}: not a snapshot this version can read")
         return meta
 
-    def _restore_stores(self, path: str) -> None:
+    def restore_stores(self, path: str) -> None:
         """Reads every store of the snapshot at ``path`` back (replacing what they hold)."""
         db = sqlite3.connect(os.path.join(path, "snapshot.db"))
         try:
@@ -222,7 +236,7 @@ class SnapshotDirectory:
         finally:
             db.close()
 
-    def _begin(self, lsn: int, background: bool) -> tuple[str, int, list[Any]] | None:
+    def begin(self, lsn: int, background: bool) -> tuple[str, int, list[Any]] | None:
         """Starts the snapshot through ``lsn`` (called with the dispatch lock held): writes
         the stores into a temporary directory, from a forked child when ``background`` and
         :attr:`fork`. Returns (directory, child pid or 0, holds), or None when it failed."""
@@ -252,10 +266,10 @@ class SnapshotDirectory:
             return None
         return tmp, child, holds
 
-    def _launch(
+    def launch(
         self, begun: tuple[str, int, list[Any]], lsn: int, t0: float, background: bool
     ) -> dict[str, Any]:
-        """After :meth:`_begin` (the lock released): finishes the snapshot, in a thread when
+        """After :meth:`begin` (the lock released): finishes the snapshot, in a thread when
         ``background``."""
         tmp, child, holds = begun
         paused = time.perf_counter() - t0
@@ -488,9 +502,9 @@ class Durability(SnapshotDirectory):
         """
         t0 = time.perf_counter()
         os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
-        self._take_lock()
+        self.take_lock()
         changed = self._check_identity()
-        self._remove_unfinished()
+        self.remove_unfinished()
         snapshots = list_snapshots(self.data_dir)
         lsn = 0
         if snapshots:
@@ -580,7 +594,7 @@ class Durability(SnapshotDirectory):
         fsync_dir(self.data_dir)
 
     def _restore(self, path: str, lsn: int) -> None:
-        meta = self._read_meta(path, lsn)
+        meta = self.read_meta(path, lsn)
         theirs = json.loads(meta.get("identity", "{}"))
         for key, value in self.identity.items():
             if key in theirs and theirs[key] != value and key not in REPLAY_KEYS:
@@ -588,7 +602,7 @@ class Durability(SnapshotDirectory):
                     f"the data directory {self.data_dir} holds {key}={theirs[key]!r}; "
                     f"this sidecar is configured with {key}={value!r}"
                 )
-        self._restore_stores(path)
+        self.restore_stores(path)
 
     # -- snapshots -----------------------------------------------------------------------------
 
@@ -622,10 +636,10 @@ class Durability(SnapshotDirectory):
                 return None
             # Whatever happens, the next try waits for another snapshot_bytes of log.
             self._snapshot_wal_bytes = self.wal.bytes_written
-            begun = self._begin(lsn, background)
+            begun = self.begin(lsn, background)
             if begun is None:  # the log still covers everything
                 return None
-        return self._launch(begun, lsn, t0, background)
+        return self.launch(begun, lsn, t0, background)
 
     def _covered(self, lsn: int, info: dict[str, Any]) -> None:
         info["segments_deleted"] = self.wal.delete_through(lsn)
@@ -670,7 +684,7 @@ class Durability(SnapshotDirectory):
             self.wal.close()
             # a writer left running keeps the data directory's lock until the process exits
             if writer is None:
-                self._release_lock()
+                self.release_lock()
         return writer is None
 
     def _last_snapshot(self) -> None:

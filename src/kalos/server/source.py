@@ -59,6 +59,7 @@ import json
 import logging
 import os
 import socket
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -314,10 +315,10 @@ class _StateValues:
     def __init__(self, state: StateStore) -> None:
         self.state = state
 
-    def snapshot(self, db: Any, directory: str) -> None:
+    def snapshot(self, db: sqlite3.Connection, directory: str) -> None:
         self.state.snapshot(db, directory, logs=False)
 
-    def restore(self, db: Any, directory: str) -> None:
+    def restore(self, db: sqlite3.Connection, directory: str) -> None:
         self.state.restore(db, directory, logs=False)
 
 
@@ -460,7 +461,7 @@ class Source:
             files is not None
             and self.applied != files.snapshot_lsn
             and time.monotonic() - self._snapshot_tried >= self.snapshot_s
-            and (files._finisher is None or not files._finisher.is_alive())
+            and not files.busy
         )
 
     def snapshot(self, *, background: bool = True) -> dict[str, Any] | None:
@@ -471,19 +472,17 @@ class Source:
         files = self.snapshots
         if files is None:
             return None
-        if files._finisher is not None:
-            files._finisher.join()
-            files._finisher = None
+        files.wait_finished()
         t0 = time.perf_counter()
         with self.lock:  # the follower applies under it: the stores are those of `applied`
             self._snapshot_tried = time.monotonic()
             if self._loading or self.feed_id is None or self.applied == files.snapshot_lsn:
                 return None
             position = self.applied
-            begun = files._begin(position, background)
+            begun = files.begin(position, background)
             if begun is None:
                 return None
-        return files._launch(begun, position, t0, background)
+        return files.launch(begun, position, t0, background)
 
     def outcome(self, lsn: int) -> Literal[True] | str | None:
         """True once the follower applied position ``lsn``; a message when it has not within
@@ -708,7 +707,7 @@ class Source:
             self._start(self._open_data_dir())
         except BaseException:
             if self.snapshots is not None:
-                self.snapshots._release_lock()
+                self.snapshots.release_lock()
             raise
         while self.head - self.applied > self.max_lag or not self.connected:
             if stop() or self._stopping.is_set():
@@ -756,7 +755,7 @@ class Source:
         if files is None:
             return None
         os.makedirs(files.data_dir, mode=0o700, exist_ok=True)
-        files._take_lock()
+        files.take_lock()
         path = os.path.join(files.data_dir, IDENTITY_FILE)
         try:
             with open(path) as f:
@@ -777,7 +776,7 @@ class Source:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         fsync_dir(files.data_dir)
-        files._remove_unfinished()
+        files.remove_unfinished()
         snapshots = list_snapshots(files.data_dir)
         return snapshots[-1] if snapshots else None
 
@@ -790,7 +789,7 @@ class Source:
             return False, f"no snapshot in {files.data_dir}"
         position, path = newest
         try:
-            meta = files._read_meta(path, position)
+            meta = files.read_meta(path, position)
             theirs = json.loads(meta.get("identity", "{}"))
         except (StoreError, ValueError) as exc:
             return False, f"the snapshot cannot be read: {exc}"
@@ -807,7 +806,7 @@ class Source:
         t0 = time.perf_counter()
         try:
             with self.lock:
-                files._restore_stores(path)
+                files.restore_stores(path)
         except Exception as exc:
             log.warning("the snapshot at position %d cannot be restored", position, exc_info=True)
             return False, f"the snapshot cannot be restored: {type(exc).__name__}: {exc}"
@@ -1077,26 +1076,26 @@ class Source:
         files = self.snapshots
         if files is None:
             return True
-        if files._finisher is not None:
-            files._finisher.join(max(0.0, deadline - time.monotonic()))
-        writer = files._finisher
-        if writer is None or not writer.is_alive():
-            writer = None
-            if self.feed_id is not None:
-                writer = threading.Thread(
-                    target=self._last_snapshot, name="kalos-last-snapshot", daemon=True
+        left_running = not files.wait_finished(max(0.0, deadline - time.monotonic()))
+        writer: threading.Thread | None = None
+        if not left_running and self.feed_id is not None:
+            writer = threading.Thread(
+                target=self._last_snapshot, name="kalos-last-snapshot", daemon=True
+            )
+            writer.start()
+            writer.join(max(0.0, deadline - time.monotonic()))
+            if writer.is_alive():
+                log.warning(
+                    "the last snapshot did not finish in time: the next start resumes "
+                    "from the one before, or loads the tables"
                 )
-                writer.start()
-                writer.join(max(0.0, deadline - time.monotonic()))
-                if writer.is_alive():
-                    log.warning(
-                        "the last snapshot did not finish in time: the next start resumes "
-                        "from the one before, or loads the tables"
-                    )
-                else:
-                    writer = None
+            else:
+                writer = None
+        if left_running:
+            log.warning("a snapshot is still being finished: no last snapshot")
+            return False
         if writer is None:
-            files._release_lock()
+            files.release_lock()
         return writer is None
 
     def _last_snapshot(self) -> None:
