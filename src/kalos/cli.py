@@ -22,6 +22,7 @@ def _serve(args: argparse.Namespace) -> int:
         source=_source(args),
         source_max_lag=args.source_max_lag,
         source_retention_s=args.source_retention_s,
+        source_snapshot_s=args.source_snapshot_s,
         name=args.name,
         dim=args.dim,
         metric=args.metric,
@@ -250,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--data-dir",
         default=None,
         help="keep a write-ahead log and snapshots here and recover from them at start "
-        "(without it the sidecar keeps everything in memory only)",
+        "(without it the sidecar keeps everything in memory only); with --source: snapshots "
+        "of the replica only, which a restart resumes from instead of loading the tables",
     )
     serve.add_argument(
         "--source",
@@ -275,6 +277,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=3600.0,
         help="keep the change feed's rows this long for followers that lag or are away",
+    )
+    serve.add_argument(
+        "--source-snapshot-s",
+        type=float,
+        default=60.0,
+        help="with --source and --data-dir: snapshot the replica this often while changes "
+        "arrive (and at a clean stop); a restart resumes from the newest snapshot",
     )
     serve.add_argument(
         "--fsync",

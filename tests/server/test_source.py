@@ -429,22 +429,201 @@ def test_the_connection_string_comes_from_a_file_or_the_environment(
         source("--source", "postgresql://kalos:secret@db.example/kalos")
 
 
-def test_source_excludes_data_dir() -> None:
+def test_the_connection_string_is_not_in_the_config_repr() -> None:
     from kalos.server import SidecarConfig
 
-    with pytest.raises(kalos.ConfigError, match="exclude"):
-        SidecarConfig(name="x", dim=4, source="dbname=x", data_dir="/tmp/x")
     assert "secret" not in repr(SidecarConfig(name="x", dim=4, source="password=secret"))
+
+
+# -- restarts with --data-dir: resume from the local snapshot, or reload ----------------------
+
+KEYS = [f"k{i}" for i in range(4)]
+
+
+def _replica_config(name: str, source: str, runtime_dir: str, data_dir: Path | None, **config):
+    from kalos.server import SidecarConfig
+
+    data = None if data_dir is None else str(data_dir)
+    return SidecarConfig(name=name, dim=DIM, metric="l2", runtime_dir=runtime_dir, source=source,
+                         data_dir=data, **config)  # fmt: skip
+
+
+def _answers(client: kalos.Client, items: range) -> tuple:
+    """What a sidecar answers: its item count, each item's payload, each key's state."""
+    state = []
+    for k in KEYS:
+        try:
+            got = client.get(k)
+            state.append((got.version, got.value))
+        except kalos.NotFound:
+            state.append(None)
+    return client.stats()["items"], [find(client, i) for i in items], state
+
+
+def _write_a_history(c: kalos.Client, base: int) -> None:
+    """Adds, an upsert, removes, state puts and deletes through ``c``."""
+    c.add(np.stack([vector(base + i) for i in range(30)]), list(range(base, base + 30)),
+          [f"v{base + i}" for i in range(30)])  # fmt: skip
+    c.add(vector(base)[None], [base], ["upserted"])
+    assert c.remove([base + 1, base + 2]) == 2
+    for i, k in enumerate(KEYS):
+        c.put(k, f"{base}:{i}".encode())
+    c.delete(KEYS[base // 100 % len(KEYS)])
+
+
+def _equal_to_a_full_load(c: kalos.Client, source: str, runtime_dir: str, items: range) -> None:
+    """``c`` answers as a sidecar that loaded the tables just now."""
+    from kalos.server import Sidecar
+
+    cfg = _replica_config("fresh", source, runtime_dir, None)
+    with Sidecar(cfg) as fresh, kalos.Client("fresh", runtime_dir=runtime_dir) as f:
+        assert fresh.source is not None and fresh.source.loaded_rows > 0
+        want = _answers(f, items)
+        wait_for(lambda: _answers(c, items) == want, "the answers of a full load")
+
+
+def test_a_restart_resumes_from_its_snapshot_and_follows_what_it_missed(
+    source: str, runtime_dir: str, tmp_path: Path
+) -> None:
+    from kalos.server import Sidecar
+    from kalos.server.durability import list_snapshots
+
+    data = tmp_path / "data"
+    cfg = _replica_config("snap", source, runtime_dir, data)
+    items = range(0, 240)
+    with replicas(source, runtime_dir, n=1) as (other,):
+        with Sidecar(cfg) as sc, kalos.Client("snap", runtime_dir=runtime_dir) as c:
+            assert sc.source is not None and sc.source.recovery["resumed"] is False
+            assert "no snapshot" in sc.source.recovery["resume_reason"]
+            _write_a_history(c, 0)
+            _write_a_history(other, 100)
+            wait_for(lambda: find(c, 129) == "v129", "the other sidecar's writes")
+        # a clean stop wrote a snapshot at the position it had applied
+        ((position, _),) = list_snapshots(str(data))
+        assert position > 0
+        _write_a_history(other, 200)  # while it is down: adds, removes, state changes
+        assert other.remove([5, 105]) == 2
+        other.put(KEYS[0], b"while down")
+        head = other.stats()["source"]["applied"]
+        with Sidecar(cfg) as sc, kalos.Client("snap", runtime_dir=runtime_dir) as c:
+            assert sc.source is not None
+            st = c.stats()["source"]
+            assert st["resumed"] is True, st["resume_reason"]
+            assert st["loaded_rows"] == 0 and st["reloads"] == 0
+            assert sc.source.recovery["snapshot_position"] == position
+            assert sc.source.recovery["applied"] >= head  # ready once caught up
+            assert f"position {position}" in st["resume_reason"]
+            _equal_to_a_full_load(c, source, runtime_dir, items)
+            other.add(vector(300)[None], [300], ["after"])  # and it follows on
+            wait_for(lambda: find(c, 300) == "after", "a write after the restart")
+
+
+def test_a_restart_after_the_feed_was_pruned_past_it_reloads(
+    source: str, runtime_dir: str, tmp_path: Path
+) -> None:
+    import psycopg
+
+    from kalos.server import Sidecar
+    from kalos.server.durability import list_snapshots
+
+    data = tmp_path / "data"
+    cfg = _replica_config("snap", source, runtime_dir, data, source_retention_s=1.0)
+    items = range(0, 240)
+    with replicas(source, runtime_dir, n=1, source_retention_s=1.0) as (other,):
+        with Sidecar(cfg), kalos.Client("snap", runtime_dir=runtime_dir) as c:
+            _write_a_history(c, 0)
+        ((position, _),) = list_snapshots(str(data))
+        _write_a_history(other, 100)
+        with psycopg.connect(source, autocommit=True) as sql:
+
+            def held() -> int:
+                q = "SELECT count(*) FROM kalos_changes WHERE seq > %s"
+                return int(sql.execute(q, (position,)).fetchone()[0])
+
+            head = int(sql.execute("SELECT head FROM kalos_feed").fetchone()[0])
+            wait_for(lambda: held() < head - position, "the rows after its position pruned")
+        with Sidecar(cfg) as sc, kalos.Client("snap", runtime_dir=runtime_dir) as c:
+            assert sc.source is not None
+            st = c.stats()["source"]
+            assert st["resumed"] is False and "pruned" in st["resume_reason"]
+            assert st["loaded_rows"] > 0
+            _equal_to_a_full_load(c, source, runtime_dir, items)
+
+
+def test_a_damaged_snapshot_or_one_of_another_database_is_not_resumed(
+    pg: PostgresServer, source: str, runtime_dir: str, tmp_path: Path
+) -> None:
+    from kalos.server import Sidecar
+    from kalos.server.durability import list_snapshots
+
+    data = tmp_path / "data"
+    with (
+        Sidecar(_replica_config("snap", source, runtime_dir, data)),
+        kalos.Client("snap", runtime_dir=runtime_dir) as c,
+    ):
+        _write_a_history(c, 0)
+    ((_, path),) = list_snapshots(str(data))
+    good = Path(path, "snapshot.db").read_bytes()
+    Path(path, "snapshot.db").write_bytes(b"\0" * len(good))
+    with (
+        Sidecar(_replica_config("snap", source, runtime_dir, data)) as sc,
+        kalos.Client("snap", runtime_dir=runtime_dir) as c,
+    ):
+        assert sc.source is not None and sc.source.recovery["resumed"] is False
+        assert "cannot be read" in sc.source.recovery["resume_reason"]
+        _equal_to_a_full_load(c, source, runtime_dir, range(0, 40))
+    other_db = pg.create_database(f"kalos_{os.getpid()}_{next(_db_names)}")
+    with (
+        Sidecar(_replica_config("snap", other_db, runtime_dir, data)) as sc,
+        kalos.Client("snap", runtime_dir=runtime_dir) as c,
+    ):
+        assert sc.source is not None
+        assert sc.source.recovery["resumed"] is False
+        assert "another database" in sc.source.recovery["resume_reason"]
+        assert c.stats()["items"] == 0 and find(c, 0) is None  # nothing of the first one
+        _write_a_history(c, 100)
+    # the same database dropped and created again: a new feed, not resumed either
+    import psycopg
+
+    with psycopg.connect(other_db, autocommit=True) as sql:
+        sql.execute("DROP TABLE kalos_feed, kalos_changes, kalos_followers, kalos_memories, "
+                    "kalos_state CASCADE")  # fmt: skip
+    with (
+        Sidecar(_replica_config("snap", other_db, runtime_dir, data)) as sc,
+        kalos.Client("snap", runtime_dir=runtime_dir) as c,
+    ):
+        assert sc.source is not None and sc.source.recovery["resumed"] is False
+        assert "another database" in sc.source.recovery["resume_reason"]
+        assert c.stats()["items"] == 0
+
+
+def test_a_data_dir_of_the_other_kind_is_refused(
+    source: str, runtime_dir: str, tmp_path: Path
+) -> None:
+    from kalos.server import Sidecar, SidecarConfig
+
+    wal_dir, replica_dir = tmp_path / "wal", tmp_path / "replica"
+    local = SidecarConfig(name="local", dim=DIM, runtime_dir=runtime_dir, data_dir=str(wal_dir))
+    with Sidecar(local), kalos.Client("local", runtime_dir=runtime_dir) as c:
+        c.add(vector(1)[None], [1], ["only here"])
+    with pytest.raises(kalos.ConfigError, match="write-ahead log"):
+        Sidecar(_replica_config("snap", source, runtime_dir, wal_dir)).start()
+    with Sidecar(_replica_config("snap", source, runtime_dir, replica_dir)):
+        pass
+    replica = SidecarConfig(name="local", dim=DIM, runtime_dir=runtime_dir,
+                            data_dir=str(replica_dir))  # fmt: skip
+    with pytest.raises(kalos.ConfigError, match="source"):
+        Sidecar(replica).start()
 
 
 # -- kill -9 of a sidecar under a stream of writes ---------------------------------------------
 
 
-def _serve(name: str, runtime_dir: str, source_file: Path, log) -> subprocess.Popen:
+def _serve(name: str, runtime_dir: str, source_file: Path, log, *args: str) -> subprocess.Popen:
     from kalos.testing import serve_command
 
     cmd = serve_command(name, DIM, runtime_dir, "--source-file", str(source_file), "--no-admin",
-                        metric="l2")  # fmt: skip
+                        *args, metric="l2")  # fmt: skip
     return subprocess.Popen(cmd, stdout=log, stderr=log)
 
 
@@ -514,6 +693,63 @@ def test_sigkill_of_a_sidecar_loses_no_acknowledged_write(
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
+        log.close()
+
+
+def test_sigkill_then_restart_resumes_from_the_periodic_snapshot_losing_nothing(
+    source: str, runtime_dir: str, tmp_path: Path
+) -> None:
+    from kalos.paths import socket_path
+    from kalos.testing import wait_for_socket, wait_ready
+
+    source_file = tmp_path / "source"
+    source_file.write_text(source)
+    log = open(tmp_path / "sidecar.log", "ab")  # noqa: SIM115
+    args = ("--data-dir", str(tmp_path / "data"), "--source-snapshot-s", "0.2")
+
+    def start() -> subprocess.Popen:
+        proc = _serve("k", runtime_dir, source_file, log, *args)
+        wait_for_socket(socket_path("k", runtime_dir), proc)
+        wait_ready(socket_path("k", runtime_dir), proc, timeout=30)
+        return proc
+
+    proc = start()
+    acked: set[int] = set()
+    try:
+        with replicas(source, runtime_dir, n=1) as (other,):
+            with kalos.Client("k", runtime_dir=runtime_dir) as c:
+                for item in range(40):
+                    c.add(vector(item)[None], [item], [f"v{item}"])
+                    acked.add(item)
+                c.put("task", b"before")
+                wait_for(lambda: "last_snapshot" in c.stats()["source"], "a periodic snapshot")
+                for item in range(40, 60):  # after the snapshot: only in the feed
+                    c.add(vector(item)[None], [item], [f"v{item}"])
+                    acked.add(item)
+            proc.kill()  # SIGKILL: no snapshot at stop
+            proc.wait()
+            for item in range(60, 90):  # while it is down
+                other.add(vector(item)[None], [item], [f"v{item}"])
+                acked.add(item)
+            assert other.remove([0]) == 1
+            acked.discard(0)
+            other.put("task", b"while down")
+            proc = start()
+            with kalos.Client("k", runtime_dir=runtime_dir) as c:
+                st = c.stats()["source"]
+                assert st["resumed"] is True, st["resume_reason"]
+                assert st["loaded_rows"] == 0
+                wait_for(lambda: all(find(c, i) == f"v{i}" for i in sorted(acked)), "all acked")
+                assert find(c, 0) is None and c.get("task").value == b"while down"
+                assert c.stats()["items"] == len(acked)
+        print(f"\nresumed from position {st['snapshot_position']}: {len(acked)} acknowledged, "
+              "0 missing")  # fmt: skip
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
         log.close()
 
 

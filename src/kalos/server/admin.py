@@ -238,6 +238,16 @@ class SidecarCollector:
             "kalos_source_lag", "Changes committed in the database, not yet applied here",
             value=st["lag"],
         )  # fmt: skip
+        yield GaugeMetricFamily(
+            "kalos_source_resumed",
+            "1 when this start resumed from the local snapshot, 0 when it loaded the tables",
+            value=int(st["resumed"]),
+        )
+        if "snapshot_position" in st:
+            yield GaugeMetricFamily(
+                "kalos_source_snapshot_position", "Feed position of the newest local snapshot",
+                value=st["snapshot_position"],
+            )  # fmt: skip
         for name, what in (
             ("applied_changes", "Changes applied from the feed"),
             ("apply_errors", "Changed rows left out (e.g. a vector of another dimension)"),

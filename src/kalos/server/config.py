@@ -47,11 +47,13 @@ class SidecarConfig:
     snapshot_bytes: int = 256 << 20  # snapshot once the log grew this much since the last
     wal_segment_bytes: int = 64 << 20
     # PostgreSQL as the source of truth (kalos.server.source): a libpq connection string or
-    # URL; memories and state then live there and this sidecar is a replica (no data_dir).
+    # URL; memories and state then live there and this sidecar is a replica. With data_dir
+    # too, no write-ahead log: local snapshots of the replica, which a restart resumes from.
     # Never logged (it may carry a password): stats show it redacted.
     source: str | None = dataclasses.field(default=None, repr=False)
     source_max_lag: int = 0  # feed positions behind the head at which it becomes ready
     source_retention_s: float = 3600.0  # change rows kept for followers (docs/OPERATIONS.md)
+    source_snapshot_s: float = 60.0  # with data_dir: between snapshots while changes arrive
     # Sessions and state: a tokenizer.json for turns sent without token ids, and size limits.
     tokenizer: str | None = None
     # The token heap (kalos.stores.token_heap): sessions' token ids in shared memory that shm
@@ -118,13 +120,10 @@ class SidecarConfig:
             raise ConfigError("token_heap_bytes must be 0 or a positive multiple of 1024")
         if self.snapshot_bytes < 1 or self.wal_segment_bytes < 4096:
             raise ConfigError("snapshot_bytes must be positive and wal_segment_bytes >= 4096")
-        if self.source is not None and self.data_dir is not None:
+        if self.source_max_lag < 0 or self.source_retention_s <= 0 or self.source_snapshot_s <= 0:
             raise ConfigError(
-                "--source and --data-dir exclude each other: with --source, PostgreSQL holds "
-                "memories and state"
+                "source_max_lag must be >= 0, source_retention_s and source_snapshot_s positive"
             )
-        if self.source_max_lag < 0 or self.source_retention_s <= 0:
-            raise ConfigError("source_max_lag must be >= 0 and source_retention_s positive")
         if self.admin_port is not None and not 0 <= self.admin_port <= 65535:
             raise ConfigError(f"admin_port must be between 0 and 65535, got {self.admin_port}")
         for address in self.grpc:

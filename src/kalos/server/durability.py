@@ -31,7 +31,9 @@ fsyncs the files, renames the directory into place, and deletes the older snapsh
 log segments it covers. A crash at any point leaves either the old snapshot plus the whole
 log, or the new one plus the log after it; a snapshot that fails (a full disk, a child that
 dies) is logged and leaves the log covering everything. While a forked child writes, pages
-the parent changes are copied: memory can grow by up to the stores' size meanwhile.
+the parent changes are copied: memory can grow by up to the stores' size meanwhile. The
+same machinery (:class:`SnapshotDirectory`) writes and restores the snapshots of a
+``--source`` replica (kalos.server.source), named by feed position, with no log.
 
 Recovery (before the sidecar reports ready): check ``identity.json`` against this sidecar's
 configuration, restore the newest ``snap-*``, replay the log records after its LSN, cut a
@@ -134,7 +136,271 @@ def _fsync_tree(path: str) -> None:
     fsync_dir(path)
 
 
-class Durability:
+class SnapshotDirectory:
+    """A data directory's snapshots: the directory lock, writing a snapshot (from a forked
+    child or in place), finishing it (fsync, rename, older ones deleted) and restoring one.
+
+    :class:`Durability` numbers its snapshots by log LSN;
+    :class:`~kalos.server.source.Source` by change-feed position. ``stores`` are written in
+    their order; ``identity`` is recorded in every snapshot.
+    """
+
+    def __init__(
+        self,
+        data_dir: str,
+        lock: threading.Lock,
+        stores: Mapping[str, Snapshotting],
+        *,
+        identity: Mapping[str, Any] | None = None,
+        fork: bool = True,
+    ) -> None:
+        self.data_dir = os.path.abspath(data_dir)
+        self.fork = fork  # write background snapshots from a forked child (copy-on-write)
+        self.lock = lock
+        self.stores = dict(stores)
+        # What must match between the sidecar that wrote a snapshot and the one reading it.
+        self.identity = dict(identity or {})
+        self.snapshot_lsn = 0  # of the newest complete snapshot
+        self.snapshot_taken = -float("inf")  # when it was taken (time.perf_counter)
+        self.meta: dict[str, str] = {}  # more snapshot_meta rows, recorded in every snapshot
+        self._finisher: threading.Thread | None = None
+        self._lock_fd = -1
+        self.last_snapshot: dict[str, Any] = {}
+
+    @property
+    def busy(self) -> bool:
+        """A snapshot is still being finished (in the background)."""
+        return self._finisher is not None and self._finisher.is_alive()
+
+    def wait_finished(self, timeout: float | None = None) -> bool:
+        """Waits for a snapshot being finished; True when none is left running."""
+        if self._finisher is not None:
+            self._finisher.join(timeout)
+            if self._finisher.is_alive():
+                return False
+            self._finisher = None
+        return True
+
+    def take_lock(self) -> None:
+        fd = os.open(os.path.join(self.data_dir, "LOCK"), os.O_RDWR | os.O_CREAT, 0o600)
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(fd)
+                    raise ConfigError(
+                        f"another sidecar is using the data directory {self.data_dir}"
+                    ) from None
+                time.sleep(0.05)
+        self._lock_fd = fd
+
+    def release_lock(self) -> None:
+        if self._lock_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    def remove_unfinished(self) -> None:
+        """Deletes the temporary directories of snapshots that never finished."""
+        for name in os.listdir(self.data_dir):
+            if name.startswith("snap-") and name.endswith(".tmp"):
+                shutil.rmtree(os.path.join(self.data_dir, name), ignore_errors=True)
+
+    def read_meta(self, path: str, lsn: int) -> dict[str, str]:
+        """The snapshot's ``snapshot_meta``; StoreError when this version cannot read it."""
+        try:
+            db = sqlite3.connect(f"file:{os.path.join(path, 'snapshot.db')}?mode=ro", uri=True)
+            try:
+                meta = dict(db.execute("SELECT key, value FROM snapshot_meta").fetchall())
+            finally:
+                db.close()
+        except sqlite3.Error as exc:
+            raise StoreError(f"{path}: unreadable ({exc})") from exc
+        if int(meta.get("format", -1)) != SNAPSHOT_FORMAT or int(meta.get("lsn", -1)) != lsn:
+            raise StoreError(f"{path}: not a snapshot this version can read")
+        return meta
+
+    def restore_stores(self, path: str) -> None:
+        """Reads every store of the snapshot at ``path`` back (replacing what they hold)."""
+        db = sqlite3.connect(os.path.join(path, "snapshot.db"))
+        try:
+            meta = dict(db.execute("SELECT key, value FROM snapshot_meta").fetchall())
+            for name in json.loads(meta["stores"]):
+                store = self.stores.get(name)
+                if store is None:
+                    raise ConfigError(f"{path} holds a {name!r} store this sidecar lacks")
+                store.restore(db, path)
+        finally:
+            db.close()
+
+    def begin(self, lsn: int, background: bool) -> tuple[str, int, list[Any]] | None:
+        """Starts the snapshot through ``lsn`` (called with the dispatch lock held): writes
+        the stores into a temporary directory, from a forked child when ``background`` and
+        :attr:`fork`. Returns (directory, child pid or 0, holds), or None when it failed."""
+        # Named by pid too: a writer orphaned by a crash never shares a directory.
+        tmp = os.path.join(self.data_dir, f"{snapshot_name(lsn)}.{os.getpid()}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        child = 0
+        holds: list[Any] = []
+        try:
+            os.makedirs(tmp, mode=0o700)
+            if background and self.fork:
+                # A store in shared memory (the token heap) is not copied on write for the
+                # child: it keeps what it frees from reuse until the child is done.
+                holds = [
+                    h
+                    for store in self.stores.values()
+                    if (h := getattr(store, "hold", lambda: None)()) is not None
+                ]
+                child = self._fork_writer(tmp, lsn)
+            else:
+                self._write_stores(tmp, lsn)
+        except Exception:  # e.g. the disk filled up
+            log.exception("the snapshot through %d failed", lsn)
+            shutil.rmtree(tmp, ignore_errors=True)
+            for h in holds:
+                h.release()
+            return None
+        return tmp, child, holds
+
+    def launch(
+        self, begun: tuple[str, int, list[Any]], lsn: int, t0: float, background: bool
+    ) -> dict[str, Any]:
+        """After :meth:`begin` (the lock released): finishes the snapshot, in a thread when
+        ``background``."""
+        tmp, child, holds = begun
+        paused = time.perf_counter() - t0
+        info: dict[str, Any] = {"lsn": lsn, "pause_s": round(paused, 3), "forked": bool(child)}
+        if background:
+            self._finisher = threading.Thread(
+                target=self._finish,
+                args=(tmp, lsn, info, t0, child, holds),
+                name="kalos-snapshot",
+                daemon=True,
+            )
+            self._finisher.start()
+        else:
+            self._finish(tmp, lsn, info, t0, child, holds)
+        return info
+
+    def _fork_writer(self, directory: str, lsn: int) -> int:
+        """Forks a child that writes the stores as they are now; returns its pid.
+
+        Called with the dispatch lock held, so the child's copy is the state through ``lsn``.
+        The child touches nothing but the stores, numpy and a new SQLite file, then exits
+        without running any of the parent's cleanup.
+        """
+        parent = os.getpid()
+        pid = os.fork()
+        if pid:
+            return pid
+        code = 1
+        try:  # the child
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            # Die with the sidecar (a crash must not leave a writer behind), and let go of
+            # every descriptor it inherited: the listening socket and the data directory's
+            # lock must not outlive the sidecar, or a restart would find them taken.
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            if os.getppid() != parent:
+                os._exit(1)
+            os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+            self._write_stores(directory, lsn)
+            code = 0
+        except BaseException:
+            with contextlib.suppress(BaseException):
+                traceback.print_exc(file=sys.stderr)
+                sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+    def _reap(self, child: int) -> bool:
+        """Waits for a forked snapshot writer; True when it wrote the snapshot."""
+        deadline = time.monotonic() + CHILD_TIMEOUT_S
+        while True:
+            pid, status = os.waitpid(child, os.WNOHANG)
+            if pid:
+                code = os.waitstatus_to_exitcode(status)
+                if code:
+                    log.error("the snapshot writer (pid %d) failed with exit code %d", child, code)
+                return code == 0
+            if time.monotonic() > deadline:
+                log.error("the snapshot writer (pid %d) hung: killing it", child)
+                with contextlib.suppress(OSError):
+                    os.kill(child, signal.SIGKILL)
+                os.waitpid(child, 0)
+                return False
+            time.sleep(0.02)
+
+    def _write_stores(self, directory: str, lsn: int) -> None:
+        db = sqlite3.connect(os.path.join(directory, "snapshot.db"), isolation_level=None)
+        try:
+            db.execute("PRAGMA journal_mode=OFF")  # a new file, fsynced before it is used
+            db.execute("PRAGMA synchronous=OFF")
+            db.execute("BEGIN")
+            for store in self.stores.values():
+                store.snapshot(db, directory)
+            rows = {
+                "format": str(SNAPSHOT_FORMAT),
+                "lsn": str(lsn),
+                "created_ns": str(time.time_ns()),
+                "stores": json.dumps(list(self.stores)),
+                "identity": json.dumps(self.identity),
+                **self.meta,
+            }
+            db.execute("CREATE TABLE snapshot_meta (key TEXT PRIMARY KEY, value TEXT)")
+            db.executemany("INSERT INTO snapshot_meta VALUES (?, ?)", rows.items())
+            db.execute("COMMIT")
+        finally:
+            db.close()
+
+    def _finish(
+        self,
+        tmp: str,
+        lsn: int,
+        info: dict[str, Any],
+        t0: float,
+        child: int = 0,
+        holds: list[Any] | None = None,
+    ) -> None:
+        try:
+            reaped = not child or self._reap(child)
+        finally:
+            for h in holds or ():
+                h.release()  # the child is gone: what it could read may be reused
+        if not reaped:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        try:
+            _fsync_tree(tmp)
+            final = os.path.join(self.data_dir, snapshot_name(lsn))
+            shutil.rmtree(final, ignore_errors=True)  # one through the same position
+            os.rename(tmp, final)
+            fsync_dir(self.data_dir)
+            # The new snapshot is durable: older ones (and what it covers) can go.
+            for old_lsn, path in list_snapshots(self.data_dir):
+                if old_lsn != lsn:
+                    shutil.rmtree(path, ignore_errors=True)
+            self._covered(lsn, info)
+            self.snapshot_lsn = lsn
+            self.snapshot_taken = t0
+            info["total_s"] = round(time.perf_counter() - t0, 3)
+            info["bytes"] = sum(os.path.getsize(os.path.join(final, f)) for f in os.listdir(final))
+            self.last_snapshot = info
+            log.info("snapshot %s", json.dumps(info))
+        except OSError:
+            log.exception("the snapshot through %d failed", lsn)
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _covered(self, lsn: int, info: dict[str, Any]) -> None:
+        """Called once the snapshot through ``lsn`` is durable (Durability: deletes the log
+        segments it covers)."""
+
+
+class Durability(SnapshotDirectory):
     """Logs a sidecar's writes and recovers its stores (see the module docstring).
 
     ``handle`` stands in for :meth:`Dispatcher.handle` in the poller and the uds threads
@@ -157,26 +423,17 @@ class Durability:
         identity: Mapping[str, Any] | None = None,
         fork: bool = True,
     ) -> None:
-        self.data_dir = os.path.abspath(data_dir)
-        self.fork = fork  # write background snapshots from a forked child (copy-on-write)
+        super().__init__(data_dir, lock, stores, identity=identity, fork=fork)
         self.dispatcher = dispatcher
-        self.lock = lock
-        self.stores = dict(stores)
         self.snapshot_bytes = snapshot_bytes
-        # What must match between the sidecar that wrote a snapshot and the one reading it.
-        self.identity = dict(identity or {})
         self.wal = WriteAheadLog(
             os.path.join(self.data_dir, "wal"),
             policy=policy,
             segment_bytes=segment_bytes,
         )
         self.last_lsn = 0
-        self.snapshot_lsn = 0
         self._snapshot_wal_bytes = 0  # wal.bytes_written when the last snapshot was taken
-        self._finisher: threading.Thread | None = None
-        self._lock_fd = -1
         self.recovery: dict[str, Any] = {}
-        self.last_snapshot: dict[str, Any] = {}
         self.refused_writes = 0
 
     @property
@@ -245,11 +502,9 @@ class Durability:
         """
         t0 = time.perf_counter()
         os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
-        self._take_lock()
+        self.take_lock()
         changed = self._check_identity()
-        for name in os.listdir(self.data_dir):
-            if name.startswith("snap-") and name.endswith(".tmp"):
-                shutil.rmtree(os.path.join(self.data_dir, name), ignore_errors=True)
+        self.remove_unfinished()
         snapshots = list_snapshots(self.data_dir)
         lsn = 0
         if snapshots:
@@ -310,6 +565,11 @@ class Durability:
             return []  # a new directory, or one written before the file existed
         except (OSError, ValueError) as exc:
             raise StoreError(f"{path} is unreadable: {exc}") from exc
+        if theirs.get("journal", "wal") != "wal":  # a --source replica's snapshots
+            raise ConfigError(
+                f"the data directory {self.data_dir} holds snapshots of a replica of a source "
+                "database (--source), not a write-ahead log: give this sidecar another --data-dir"
+            )
         changed = []
         for key, ours in self.identity.items():
             if key not in theirs or theirs[key] == ours:
@@ -333,42 +593,16 @@ class Durability:
         os.replace(tmp, path)
         fsync_dir(self.data_dir)
 
-    def _take_lock(self) -> None:
-        fd = os.open(os.path.join(self.data_dir, "LOCK"), os.O_RDWR | os.O_CREAT, 0o600)
-        deadline = time.monotonic() + LOCK_WAIT_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    os.close(fd)
-                    raise ConfigError(
-                        f"another sidecar is using the data directory {self.data_dir}"
-                    ) from None
-                time.sleep(0.05)
-        self._lock_fd = fd
-
     def _restore(self, path: str, lsn: int) -> None:
-        db = sqlite3.connect(os.path.join(path, "snapshot.db"))
-        try:
-            meta = dict(db.execute("SELECT key, value FROM snapshot_meta").fetchall())
-            if int(meta.get("format", -1)) != SNAPSHOT_FORMAT or int(meta["lsn"]) != lsn:
-                raise StoreError(f"{path}: not a snapshot this version can read")
-            theirs = json.loads(meta.get("identity", "{}"))
-            for key, value in self.identity.items():
-                if key in theirs and theirs[key] != value and key not in REPLAY_KEYS:
-                    raise ConfigError(
-                        f"the data directory {self.data_dir} holds {key}={theirs[key]!r}; "
-                        f"this sidecar is configured with {key}={value!r}"
-                    )
-            for name in json.loads(meta["stores"]):
-                store = self.stores.get(name)
-                if store is None:
-                    raise ConfigError(f"{path} holds a {name!r} store this sidecar lacks")
-                store.restore(db, path)
-        finally:
-            db.close()
+        meta = self.read_meta(path, lsn)
+        theirs = json.loads(meta.get("identity", "{}"))
+        for key, value in self.identity.items():
+            if key in theirs and theirs[key] != value and key not in REPLAY_KEYS:
+                raise ConfigError(
+                    f"the data directory {self.data_dir} holds {key}={theirs[key]!r}; "
+                    f"this sidecar is configured with {key}={value!r}"
+                )
+        self.restore_stores(path)
 
     # -- snapshots -----------------------------------------------------------------------------
 
@@ -400,151 +634,15 @@ class Durability:
             except WalError as exc:
                 log.error("no snapshot: %s", exc)
                 return None
-            # Named by pid too: a writer orphaned by a crash never shares a directory.
-            tmp = os.path.join(self.data_dir, f"{snapshot_name(lsn)}.{os.getpid()}.tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
             # Whatever happens, the next try waits for another snapshot_bytes of log.
             self._snapshot_wal_bytes = self.wal.bytes_written
-            child = 0
-            holds: list[Any] = []
-            try:
-                os.makedirs(tmp, mode=0o700)
-                if background and self.fork:
-                    # A store in shared memory (the token heap) is not copied on write for the
-                    # child: it keeps what it frees from reuse until the child is done.
-                    holds = [
-                        h
-                        for store in self.stores.values()
-                        if (h := getattr(store, "hold", lambda: None)()) is not None
-                    ]
-                    child = self._fork_writer(tmp, lsn)
-                else:
-                    self._write_stores(tmp, lsn)
-            except Exception:  # e.g. the disk filled up: the log still covers everything
-                log.exception("the snapshot through LSN %d failed; the log still covers it", lsn)
-                shutil.rmtree(tmp, ignore_errors=True)
-                for h in holds:
-                    h.release()
+            begun = self.begin(lsn, background)
+            if begun is None:  # the log still covers everything
                 return None
-        paused = time.perf_counter() - t0
-        info: dict[str, Any] = {"lsn": lsn, "pause_s": round(paused, 3), "forked": bool(child)}
-        if background:
-            self._finisher = threading.Thread(
-                target=self._finish,
-                args=(tmp, lsn, info, t0, child, holds),
-                name="kalos-snapshot",
-                daemon=True,
-            )
-            self._finisher.start()
-        else:
-            self._finish(tmp, lsn, info, t0)
-        return info
+        return self.launch(begun, lsn, t0, background)
 
-    def _fork_writer(self, directory: str, lsn: int) -> int:
-        """Forks a child that writes the stores as they are now; returns its pid.
-
-        Called with the dispatch lock held, so the child's copy is the state through ``lsn``.
-        The child touches nothing but the stores, numpy and a new SQLite file, then exits
-        without running any of the parent's cleanup.
-        """
-        parent = os.getpid()
-        pid = os.fork()
-        if pid:
-            return pid
-        code = 1
-        try:  # the child
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            # Die with the sidecar (a crash must not leave a writer behind), and let go of
-            # every descriptor it inherited: the listening socket and the data directory's
-            # lock must not outlive the sidecar, or a restart would find them taken.
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-            if os.getppid() != parent:
-                os._exit(1)
-            os.closerange(3, os.sysconf("SC_OPEN_MAX"))
-            self._write_stores(directory, lsn)
-            code = 0
-        except BaseException:
-            with contextlib.suppress(BaseException):
-                traceback.print_exc(file=sys.stderr)
-                sys.stderr.flush()
-        finally:
-            os._exit(code)
-
-    def _reap(self, child: int) -> bool:
-        """Waits for a forked snapshot writer; True when it wrote the snapshot."""
-        deadline = time.monotonic() + CHILD_TIMEOUT_S
-        while True:
-            pid, status = os.waitpid(child, os.WNOHANG)
-            if pid:
-                code = os.waitstatus_to_exitcode(status)
-                if code:
-                    log.error("the snapshot writer (pid %d) failed with exit code %d", child, code)
-                return code == 0
-            if time.monotonic() > deadline:
-                log.error("the snapshot writer (pid %d) hung: killing it", child)
-                with contextlib.suppress(OSError):
-                    os.kill(child, signal.SIGKILL)
-                os.waitpid(child, 0)
-                return False
-            time.sleep(0.02)
-
-    def _write_stores(self, directory: str, lsn: int) -> None:
-        db = sqlite3.connect(os.path.join(directory, "snapshot.db"), isolation_level=None)
-        try:
-            db.execute("PRAGMA journal_mode=OFF")  # a new file, fsynced before it is used
-            db.execute("PRAGMA synchronous=OFF")
-            db.execute("BEGIN")
-            for store in self.stores.values():
-                store.snapshot(db, directory)
-            meta = {
-                "format": str(SNAPSHOT_FORMAT),
-                "lsn": str(lsn),
-                "created_ns": str(time.time_ns()),
-                "stores": json.dumps(list(self.stores)),
-                "identity": json.dumps(self.identity),
-            }
-            db.execute("CREATE TABLE snapshot_meta (key TEXT PRIMARY KEY, value TEXT)")
-            db.executemany("INSERT INTO snapshot_meta VALUES (?, ?)", meta.items())
-            db.execute("COMMIT")
-        finally:
-            db.close()
-
-    def _finish(
-        self,
-        tmp: str,
-        lsn: int,
-        info: dict[str, Any],
-        t0: float,
-        child: int = 0,
-        holds: list[Any] | None = None,
-    ) -> None:
-        try:
-            reaped = not child or self._reap(child)
-        finally:
-            for h in holds or ():
-                h.release()  # the child is gone: what it could read may be reused
-        if not reaped:
-            shutil.rmtree(tmp, ignore_errors=True)
-            return
-        try:
-            _fsync_tree(tmp)
-            final = os.path.join(self.data_dir, snapshot_name(lsn))
-            os.rename(tmp, final)
-            fsync_dir(self.data_dir)
-            # The new snapshot is durable: older ones and the log segments it covers can go.
-            for old_lsn, path in list_snapshots(self.data_dir):
-                if old_lsn < lsn:
-                    shutil.rmtree(path, ignore_errors=True)
-            info["segments_deleted"] = self.wal.delete_through(lsn)
-            self.snapshot_lsn = lsn
-            info["total_s"] = round(time.perf_counter() - t0, 3)
-            info["bytes"] = sum(os.path.getsize(os.path.join(final, f)) for f in os.listdir(final))
-            self.last_snapshot = info
-            log.info("snapshot %s", json.dumps(info))
-        except OSError:
-            log.exception("the snapshot through LSN %d failed; the log still covers it", lsn)
-            shutil.rmtree(tmp, ignore_errors=True)
+    def _covered(self, lsn: int, info: dict[str, Any]) -> None:
+        info["segments_deleted"] = self.wal.delete_through(lsn)
 
     def close(self, timeout: float | None = None) -> bool:
         """At a clean stop: a final snapshot (when anything was logged), then the log closes.
@@ -585,10 +683,8 @@ class Durability:
                 self._finisher.join(left())
             self.wal.close()
             # a writer left running keeps the data directory's lock until the process exits
-            if self._lock_fd >= 0 and writer is None:
-                with contextlib.suppress(OSError):
-                    os.close(self._lock_fd)
-                self._lock_fd = -1
+            if writer is None:
+                self.release_lock()
         return writer is None
 
     def _last_snapshot(self) -> None:

@@ -182,7 +182,13 @@ class Sidecar:
         )
         self.durability: Durability | None = None
         handle: Callable[..., tuple[int, int, int, int]] = self.dispatcher.handle
-        if config.data_dir is not None:
+        # What the data directory's snapshots depend on.
+        identity = {
+            "dim": config.dim,
+            "metric": config.metric,
+            "tokenizer": tokenizer_fingerprint(config.tokenizer),
+        }
+        if config.data_dir is not None and config.source is None:
             # Snapshots hold every store the dispatcher serves.
             stores = {
                 name: getattr(self.dispatcher, name)
@@ -197,11 +203,7 @@ class Sidecar:
                 policy=FsyncPolicy.parse(config.fsync),
                 snapshot_bytes=config.snapshot_bytes,
                 segment_bytes=config.wal_segment_bytes,
-                identity={
-                    "dim": config.dim,
-                    "metric": config.metric,
-                    "tokenizer": tokenizer_fingerprint(config.tokenizer),
-                },
+                identity=identity,
                 fork=not config.device.startswith("cuda"),  # CUDA does not survive a fork
             )
             handle = self.durability.handle
@@ -217,6 +219,11 @@ class Sidecar:
                 name=config.name,
                 max_lag=config.source_max_lag,
                 retention_s=config.source_retention_s,
+                # snapshots of the replica, resumed from at start (no write-ahead log)
+                data_dir=config.data_dir,
+                identity=identity,
+                fork=not config.device.startswith("cuda"),
+                snapshot_s=config.source_snapshot_s,
             )
             handle = self.source.handle
         journal: Journal | None = self.source if self.source is not None else self.durability
@@ -449,8 +456,8 @@ class Sidecar:
         if self.durability is not None:
             # a last snapshot if it fits the budget, then the log closes
             finished = self.durability.close(timeout=max(0.5, deadline - time.monotonic()))
-        if self.source is not None:
-            self.source.close(timeout=max(0.5, deadline - time.monotonic()))
+        if self.source is not None:  # with a data directory, a last snapshot if it fits
+            finished = self.source.close(timeout=max(0.5, deadline - time.monotonic()))
         if self.admin is not None:
             self.admin.close()
         if finished:  # else a snapshot writer may still read them: they go with the process

@@ -33,7 +33,23 @@ are deleted (by any follower, every few seconds). A follower gone longer than
 ``retention_s`` no longer holds rows back; when it returns and finds the rows after its
 position gone, it reloads the tables.
 
-Sessions and event logs stay local to the sidecar (in memory) with ``--source``.
+Resuming (with ``--data-dir``): the sidecar writes a local snapshot of its memories and
+state values (:class:`~kalos.server.durability.SnapshotDirectory`: the format and writer of
+the local durability), every ``snapshot_s`` while changes arrive and at a clean stop, under
+the dispatch lock that the follower applies changes under, so a snapshot holds exactly the
+changes through the position it is named by; it also records ``kalos_feed.feed_id`` (a
+random id drawn when the tables are created) and :data:`SCHEMA_VERSION`. At start, a
+snapshot from this feed whose every later change the feed still holds is restored and
+followed from its position: the change rows in (position, head] are counted, under the
+advisory lock that pruning takes, and in the same transaction the follower's row is set to
+that position, which holds the rows back from every later prune. Otherwise (no snapshot,
+another database, rows pruned, a snapshot that cannot be read) the tables are loaded as
+without one. While it runs, the follower records the position of its newest snapshot in
+``kalos_followers`` (the live one once that snapshot is older than ``retention_s``), so that
+a restart soon after a crash still finds the changes after it.
+
+Sessions and event logs stay local to the sidecar (in memory) with ``--source``, and are not
+in its snapshots: every start begins them empty.
 """
 
 from __future__ import annotations
@@ -41,20 +57,30 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import socket
+import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import numpy as np
 
 from kalos import filters
-from kalos.errors import ConfigError, Conflict, InvalidRequest, KalosError
+from kalos.errors import ConfigError, Conflict, InvalidRequest, KalosError, StoreError
 from kalos.protocol import codes
 from kalos.protocol import messages as M
 from kalos.protocol.codes import Op, Status
 from kalos.server.dispatch import WRITE_OPS, Dispatcher, status_for
+from kalos.server.durability import (
+    IDENTITY_FILE,
+    SnapshotDirectory,
+    Snapshotting,
+    list_snapshots,
+)
+from kalos.stores.state import StateStore
+from kalos.stores.wal import fsync_dir
 from kalos.types import Scope
 
 log = logging.getLogger("kalos.source")
@@ -73,6 +99,12 @@ RECONNECT_S = 0.5  # between reconnection attempts
 CONNECT_TIMEOUT_S = 2
 STATEMENT_TIMEOUT_MS = 5000
 PRUNE_EVERY_S = 5.0
+DEFAULT_SNAPSHOT_S = 60.0  # between local snapshots while changes arrive (with a data_dir)
+# What a snapshot's contents mean; a snapshot of another version is not resumed.
+SCHEMA_VERSION = 1
+# Taken by every prune and by a resume's check of the feed: a resume's count of the change
+# rows and its follower row are one step as far as pruning is concerned.
+PRUNE_LOCK = "SELECT pg_advisory_xact_lock(hashtext('kalos_prune'))"
 SOURCE_OPS = frozenset(
     int(o) for o in (Op.ADD, Op.REMOVE, Op.FORGET, Op.STATE_PUT, Op.STATE_CAS, Op.STATE_DELETE)
 )
@@ -83,6 +115,15 @@ CREATE TABLE IF NOT EXISTS kalos_feed (
     head bigint NOT NULL
 );
 INSERT INTO kalos_feed VALUES (true, 0) ON CONFLICT DO NOTHING;
+-- drawn once, when the tables are created: a snapshot of another feed is never resumed
+-- (added only where missing: an ALTER TABLE would lock the feed against every writer)
+DO $$ BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'kalos_feed'::regclass
+                   AND attname = 'feed_id' AND NOT attisdropped) THEN
+        ALTER TABLE kalos_feed ADD COLUMN feed_id text NOT NULL
+            DEFAULT md5(random()::text || clock_timestamp()::text);
+    END IF;
+END $$;
 CREATE TABLE IF NOT EXISTS kalos_changes (
     seq bigint PRIMARY KEY,
     at timestamptz NOT NULL DEFAULT now(),
@@ -267,6 +308,20 @@ def _where(scope: Scope) -> tuple[str, list[str]]:
     return " AND ".join(clauses) or "true", params
 
 
+class _StateValues:
+    """The state store in a source snapshot: its values (a copy of what the database holds);
+    event logs stay local and are neither written nor restored."""
+
+    def __init__(self, state: StateStore) -> None:
+        self.state = state
+
+    def snapshot(self, db: sqlite3.Connection, directory: str) -> None:
+        self.state.snapshot(db, directory, logs=False)
+
+    def restore(self, db: sqlite3.Connection, directory: str) -> None:
+        self.state.restore(db, directory, logs=False)
+
+
 class SourceUnavailable(KalosError):
     """The source database did not answer (or failed) a write: nothing was acknowledged."""
 
@@ -289,7 +344,15 @@ class Source:
         max_lag: int = DEFAULT_MAX_LAG,
         retention_s: float = DEFAULT_RETENTION_S,
         apply_wait_s: float = APPLY_WAIT_S,
+        data_dir: str | None = None,
+        identity: Mapping[str, Any] | None = None,
+        fork: bool = True,
+        snapshot_s: float = DEFAULT_SNAPSHOT_S,
     ) -> None:
+        """``data_dir``: where local snapshots are written and resumed from (None: every
+        start loads the tables); ``identity``: what a snapshot's data depend on (dim, metric,
+        tokenizer), all of which must match for a resume; ``fork``: write background
+        snapshots from a forked child (not with CUDA)."""
         self._psycopg = _psycopg()
         self._conninfo = conninfo
         self.where = redact(conninfo)
@@ -318,6 +381,22 @@ class Source:
         self.refused_writes = 0
         self.pruned = 0
         self.reconnects = 0
+        self.feed_id: str | None = None  # kalos_feed.feed_id of the database
+        self.snapshot_s = snapshot_s
+        self.snapshots: SnapshotDirectory | None = None
+        if data_dir is not None:
+            stores: dict[str, Snapshotting] = {
+                "memories": dispatcher.memories,
+                "state": _StateValues(dispatcher.state),
+            }
+            identity = {**(identity or {}), "journal": "source"}
+            self.snapshots = SnapshotDirectory(data_dir, lock, stores, identity=identity, fork=fork)
+        self._loading = False  # a load is replacing the stores (no snapshot meanwhile)
+        self._snapshot_tried = time.monotonic()  # the last snapshot_due that went ahead
+        self.resumed = False
+        self.applied_from = 0  # the position of the snapshot it resumed from
+        self.resume_reason = "no --data-dir: every start loads the tables"
+        self.recovery: dict[str, Any] = {}
 
     # -- connections ---------------------------------------------------------------------------
 
@@ -375,10 +454,35 @@ class Source:
         """Nothing to do: every acknowledged write is committed in PostgreSQL."""
 
     def snapshot_due(self) -> bool:
-        return False
+        """With a data directory: whether ``snapshot_s`` passed since the last snapshot and
+        the follower applied changes since."""
+        files = self.snapshots
+        return (
+            files is not None
+            and self.applied != files.snapshot_lsn
+            and time.monotonic() - self._snapshot_tried >= self.snapshot_s
+            and not files.busy
+        )
 
-    def snapshot(self, *, background: bool = True) -> None:
-        return None
+    def snapshot(self, *, background: bool = True) -> dict[str, Any] | None:
+        """Writes the memories and state values through the applied position into the data
+        directory; the caller must not hold the lock. Returns what it did, or None when
+        there is no data directory, nothing changed since the last one, or a load is under
+        way. ``background``: as :meth:`Durability.snapshot`."""
+        files = self.snapshots
+        if files is None:
+            return None
+        files.wait_finished()
+        t0 = time.perf_counter()
+        with self.lock:  # the follower applies under it: the stores are those of `applied`
+            self._snapshot_tried = time.monotonic()
+            if self._loading or self.feed_id is None or self.applied == files.snapshot_lsn:
+                return None
+            position = self.applied
+            begun = files.begin(position, background)
+            if begun is None:
+                return None
+        return files.launch(begun, position, t0, background)
 
     def outcome(self, lsn: int) -> Literal[True] | str | None:
         """True once the follower applied position ``lsn``; a message when it has not within
@@ -595,30 +699,154 @@ class Source:
     # -- bootstrap and follow ------------------------------------------------------------------
 
     def recover(self, stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
-        """Before readiness: creates the schema, loads the tables, starts following, and waits
-        until the follower is within ``max_lag`` positions of the feed's head."""
+        """Before readiness: creates the schema, resumes from the local snapshot or loads the
+        tables, starts following, and waits until the follower is within ``max_lag``
+        positions of the feed's head."""
         t0 = time.perf_counter()
-        with self._connect(autocommit=True) as conn:
-            with conn.transaction():
-                # one sidecar at a time runs the DDL (CREATE ... IF NOT EXISTS races otherwise)
-                conn.execute("SELECT pg_advisory_xact_lock(hashtext('kalos_schema'))")
-                conn.execute(SCHEMA)
-            self._load(conn)
-        self.connected = True
-        self._thread = threading.Thread(target=self._follow, name="kalos-follower", daemon=True)
-        self._thread.start()
+        try:
+            self._start(self._open_data_dir())
+        except BaseException:
+            if self.snapshots is not None:
+                self.snapshots.release_lock()
+            raise
         while self.head - self.applied > self.max_lag or not self.connected:
             if stop() or self._stopping.is_set():
                 break
             time.sleep(0.01)
-        info = {
+        self.recovery = {
+            "resumed": self.resumed,
+            "resume_reason": self.resume_reason,
+            "snapshot_position": self.applied_from if self.resumed else None,
             "loaded_rows": self.loaded_rows,
             "applied": self.applied,
             "bootstrap_s": round(self.bootstrap_s, 3),
             "total_s": round(time.perf_counter() - t0, 3),
         }
-        log.info("loaded from %s: %s", self.where, json.dumps(info))
-        return info
+        log.info("recovered from %s: %s", self.where, json.dumps(self.recovery))
+        return self.recovery
+
+    def _start(self, newest: tuple[int, str] | None) -> None:
+        """Creates the schema, resumes from ``newest`` (a snapshot's position and path) or
+        loads the tables, and starts the follower."""
+        with self._connect(autocommit=True) as conn:
+            with conn.transaction():
+                # one sidecar at a time runs the DDL (CREATE ... IF NOT EXISTS races otherwise)
+                conn.execute("SELECT pg_advisory_xact_lock(hashtext('kalos_schema'))")
+                conn.execute(SCHEMA)
+            self.feed_id = str(conn.execute("SELECT feed_id FROM kalos_feed").fetchone()[0])
+            if self.snapshots is not None:  # recorded in every snapshot, checked on resume
+                self.snapshots.meta = {
+                    "source_feed": self.feed_id,
+                    "source_schema": str(SCHEMA_VERSION),
+                }
+                self.resumed, self.resume_reason = self._resume(conn, newest)
+            if not self.resumed:
+                if self.snapshots is not None:
+                    log.info("not resuming (%s): loading the tables", self.resume_reason)
+                self._load(conn)
+        self.connected = True
+        self._thread = threading.Thread(target=self._follow, name="kalos-follower", daemon=True)
+        self._thread.start()
+
+    def _open_data_dir(self) -> tuple[int, str] | None:
+        """Takes the data directory (its lock), checks that it holds no write-ahead log,
+        drops unfinished snapshots; returns the newest snapshot's (position, path)."""
+        files = self.snapshots
+        if files is None:
+            return None
+        os.makedirs(files.data_dir, mode=0o700, exist_ok=True)
+        files.take_lock()
+        path = os.path.join(files.data_dir, IDENTITY_FILE)
+        try:
+            with open(path) as f:
+                journal = json.load(f).get("journal")
+        except FileNotFoundError:
+            journal = "wal" if os.path.isdir(os.path.join(files.data_dir, "wal")) else "source"
+        except (OSError, ValueError) as exc:
+            raise StoreError(f"{path} is unreadable: {exc}") from exc
+        if journal != "source":  # its writes are in no database: never drop them
+            raise ConfigError(
+                f"the data directory {files.data_dir} holds a write-ahead log of a sidecar "
+                "without --source: give this one another --data-dir"
+            )
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(files.identity, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(files.data_dir)
+        files.remove_unfinished()
+        snapshots = list_snapshots(files.data_dir)
+        return snapshots[-1] if snapshots else None
+
+    def _resume(self, conn: Any, newest: tuple[int, str] | None) -> tuple[bool, str]:
+        """Restores the newest snapshot when it may be followed from its position; returns
+        (resumed, why)."""
+        files = self.snapshots
+        assert files is not None
+        if newest is None:
+            return False, f"no snapshot in {files.data_dir}"
+        position, path = newest
+        try:
+            meta = files.read_meta(path, position)
+            theirs = json.loads(meta.get("identity", "{}"))
+        except (StoreError, ValueError) as exc:
+            return False, f"the snapshot cannot be read: {exc}"
+        if meta.get("source_feed") != self.feed_id:
+            return False, "the snapshot comes from another database (or one created again)"
+        if meta.get("source_schema") != str(SCHEMA_VERSION):
+            return False, f"the snapshot is of schema {meta.get('source_schema')}"
+        for key, ours in files.identity.items():
+            if theirs.get(key) != ours:
+                return False, f"the snapshot was written with {key}={theirs.get(key)!r}"
+        head, gone = self._hold_feed(conn, position)
+        if gone is not None:
+            return False, gone
+        t0 = time.perf_counter()
+        try:
+            with self.lock:
+                files.restore_stores(path)
+        except Exception as exc:
+            log.warning("the snapshot at position %d cannot be restored", position, exc_info=True)
+            return False, f"the snapshot cannot be restored: {type(exc).__name__}: {exc}"
+        self.bootstrap_s = time.perf_counter() - t0
+        self.applied = self.applied_from = position
+        self.head = head  # readiness waits for the follower to apply up to it
+        files.snapshot_lsn = position
+        age_s = max(0.0, (time.time_ns() - int(meta.get("created_ns", 0))) / 1e9)
+        files.snapshot_taken = time.perf_counter() - age_s
+        return True, f"resumed from the snapshot at position {position}"
+
+    def _hold_feed(self, conn: Any, position: int) -> tuple[int, str | None]:
+        """The feed's head, and whether the feed holds every change after ``position``: None
+        when it does (and this follower's row now keeps them from being pruned), else why
+        not."""
+        with conn.transaction():
+            conn.execute(PRUNE_LOCK)  # no prune between the count and the follower's row
+            head = int(conn.execute("SELECT head FROM kalos_feed").fetchone()[0])
+            if head < position:
+                return (
+                    head,
+                    f"the snapshot (position {position}) is ahead of the feed (head {head})",
+                )
+            held = int(
+                conn.execute(
+                    "SELECT count(*) FROM kalos_changes WHERE seq > %s AND seq <= %s",
+                    (position, head),
+                ).fetchone()[0]
+            )
+            if held != head - position:
+                return head, (
+                    f"the feed no longer holds every change after position {position} "
+                    f"({held} of {head - position} rows left: pruned)"
+                )
+            conn.execute(
+                "INSERT INTO kalos_followers (name, applied) VALUES (%s, %s) ON CONFLICT (name) "
+                "DO UPDATE SET applied = EXCLUDED.applied, seen = now()",
+                (self.follower, position),
+            )
+        return head, None
 
     def _load(self, conn: Any) -> None:
         """Replaces the local memories and state with the tables' rows (one snapshot: COPY in
@@ -629,6 +857,7 @@ class Source:
             head = int(conn.execute("SELECT head FROM kalos_feed").fetchone()[0])
             rows = 0
             with self.lock:
+                self._loading = True  # the stores are not those of a position until the end
                 self._clear()
             with conn.cursor() as cur:
                 copy_sql = f"COPY (SELECT {_MEMORY_COLUMNS} FROM kalos_memories) TO STDOUT "
@@ -654,8 +883,10 @@ class Source:
                             self.dispatcher.state.apply((tenant, user, session), key, version,
                                                         bytes(value))  # fmt: skip
                             rows += 1
-        self.loaded_rows = rows
-        self.applied = self.head = head
+        with self.lock:
+            self.loaded_rows = rows
+            self.applied = self.head = head
+            self._loading = False
         self.bootstrap_s = time.perf_counter() - t0
 
     def _clear(self) -> None:
@@ -731,7 +962,7 @@ class Source:
                             "INSERT INTO kalos_followers (name, applied) VALUES (%s, %s) ON "
                             "CONFLICT (name) DO UPDATE SET applied = EXCLUDED.applied, "
                             "seen = now()",
-                            (self.follower, self.applied),
+                            (self.follower, self._kept_from()),
                         )
                         last_seen = now
                     if now - last_prune >= min(PRUNE_EVERY_S, self.retention_s):
@@ -762,7 +993,8 @@ class Source:
         if head <= self.applied:
             return False
         rows = conn.execute(_CHANGES, (self.applied,)).fetchall()
-        if not rows or rows[0][0] != self.applied + 1:
+        # positions are unique and sorted: the batch is whole when both ends are where due
+        if not rows or rows[0][0] != self.applied + 1 or rows[-1][0] != self.applied + len(rows):
             # the rows after our position were pruned: only a reload brings us level
             log.warning("the change feed no longer holds position %d: reloading", self.applied)
             self.reloads += 1
@@ -797,6 +1029,15 @@ class Source:
             self.apply_errors += 1
             log.warning("change %d left out: %s", row[0], exc)
 
+    def _kept_from(self) -> int:
+        """The position recorded in ``kalos_followers``, after which the feed keeps every
+        change for this follower: that of its newest local snapshot, from which a restart
+        resumes, unless that snapshot is older than ``retention_s``; else the applied one."""
+        files = self.snapshots
+        if files is None or time.perf_counter() - files.snapshot_taken > self.retention_s:
+            return self.applied
+        return min(self.applied, files.snapshot_lsn)
+
     def _wake(self) -> None:
         with self._applied_cv:
             self._applied_cv.notify_all()
@@ -810,6 +1051,7 @@ class Source:
         """
         r = self.retention_s
         with conn.transaction():
+            conn.execute(PRUNE_LOCK)
             cur = conn.execute(_PRUNE, {"r": r})
             conn.execute(
                 "DELETE FROM kalos_followers WHERE seen < now() - make_interval(secs => %s)", (r,)
@@ -819,14 +1061,48 @@ class Source:
     # -- stop and stats ------------------------------------------------------------------------
 
     def close(self, timeout: float | None = None) -> bool:
+        """Stops following; with a data directory, then writes a last snapshot (when the
+        position moved since the last one). ``timeout`` (seconds) bounds it all: a snapshot
+        not finished by then is left to the process's exit (the next start removes it and
+        resumes from the one before, or loads). Returns whether no snapshot was left running."""
+        deadline = time.monotonic() + (timeout if timeout is not None else 5.0)
         self._stopping.set()
         if self._thread is not None:
-            self._thread.join(timeout if timeout is not None else 5.0)
+            self._thread.join(max(0.0, deadline - time.monotonic()))
         if self._writer is not None:
             with contextlib.suppress(Exception):
                 self._writer.close()
             self._writer = None
-        return True
+        files = self.snapshots
+        if files is None:
+            return True
+        left_running = not files.wait_finished(max(0.0, deadline - time.monotonic()))
+        writer: threading.Thread | None = None
+        if not left_running and self.feed_id is not None:
+            writer = threading.Thread(
+                target=self._last_snapshot, name="kalos-last-snapshot", daemon=True
+            )
+            writer.start()
+            writer.join(max(0.0, deadline - time.monotonic()))
+            if writer.is_alive():
+                log.warning(
+                    "the last snapshot did not finish in time: the next start resumes "
+                    "from the one before, or loads the tables"
+                )
+            else:
+                writer = None
+        if left_running:
+            log.warning("a snapshot is still being finished: no last snapshot")
+            return False
+        if writer is None:
+            files.release_lock()
+        return writer is None
+
+    def _last_snapshot(self) -> None:
+        try:
+            self.snapshot(background=False)
+        except Exception:
+            log.exception("the snapshot at stop failed")
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -846,4 +1122,15 @@ class Source:
             "reloads": self.reloads,
             "reconnects": self.reconnects,
             "pruned": self.pruned,
+            "resumed": self.resumed,
+            "resume_reason": self.resume_reason,
+            **(self._snapshot_stats() if self.snapshots is not None else {}),
         }
+
+    def _snapshot_stats(self) -> dict[str, Any]:
+        files = self.snapshots
+        assert files is not None
+        out: dict[str, Any] = {"data_dir": files.data_dir, "snapshot_position": files.snapshot_lsn}
+        if files.last_snapshot:
+            out["last_snapshot"] = files.last_snapshot
+        return out

@@ -227,10 +227,11 @@ class StateStore:
 
     # -- snapshots ---------------------------------------------------------------------------
 
-    def snapshot(self, db: sqlite3.Connection, directory: str) -> None:
+    def snapshot(self, db: sqlite3.Connection, directory: str, *, logs: bool = True) -> None:
         """Writes every value and event into ``db`` (tables ``state_values``, ``state_logs``,
         ``state_events``, ``state_meta``). Nothing goes to ``directory``: values are small
-        (``max_state_bytes``). Replaces an earlier snapshot in ``db``; does not commit."""
+        (``max_state_bytes``). Replaces an earlier snapshot in ``db``; does not commit.
+        ``logs`` False: the values only (the event-log tables are left empty)."""
         for table in ("state_values", "state_logs", "state_events", "state_meta"):
             db.execute(f"DROP TABLE IF EXISTS {table}")
         db.execute(
@@ -253,6 +254,8 @@ class StateStore:
             "INSERT INTO state_values VALUES (?,?,?,?,?,?)",
             ((*k, v.version, v.value) for k, v in self._values.items()),
         )
+        if not logs:
+            return
         db.executemany(
             "INSERT INTO state_logs VALUES (?,?,?)",
             ((name, log.owner[0], log.owner[1]) for name, log in self._logs.items()),
@@ -266,9 +269,14 @@ class StateStore:
             ),
         )
 
-    def restore(self, db: sqlite3.Connection, directory: str) -> None:
-        """Replaces everything with a :meth:`snapshot` from ``db``."""
-        self.clear()
+    def restore(self, db: sqlite3.Connection, directory: str, *, logs: bool = True) -> None:
+        """Replaces everything with a :meth:`snapshot` from ``db``; ``logs`` False: the
+        values only (the store's event logs are kept as they are)."""
+        if logs:
+            self.clear()
+        else:
+            self._values.clear()
+            self._value_bytes = 0
         (self.revision,) = db.execute(
             "SELECT value FROM state_meta WHERE name = 'revision'"
         ).fetchone()
@@ -277,6 +285,8 @@ class StateStore:
         ):
             self._values[(tenant, user, session, key)] = StateValue(version, bytes(value))
             self._value_bytes += len(value)
+        if not logs:
+            return
         for name, tenant, user in db.execute("SELECT session, tenant, user FROM state_logs"):
             self._logs[name] = EventLog((tenant, user, name))
         for name, _seq, t, kind, data_kind, data in db.execute(
