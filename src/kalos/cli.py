@@ -23,6 +23,8 @@ def _serve(args: argparse.Namespace) -> int:
         source_max_lag=args.source_max_lag,
         source_retention_s=args.source_retention_s,
         source_snapshot_s=args.source_snapshot_s,
+        source_table=args.source_table,
+        source_columns=args.source_columns,
         name=args.name,
         dim=args.dim,
         metric=args.metric,
@@ -265,6 +267,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--source-file",
         default=None,
         help="a file holding the --source connection string (it may carry a password)",
+    )
+    serve.add_argument(
+        "--source-table",
+        default=None,
+        metavar="[SCHEMA.]TABLE",
+        help="with --source: mirror this table, which other programs write, as the memories "
+        "(the sidecar installs triggers on it; docs/OPERATIONS.md, 'Mirroring a table')",
+    )
+    serve.add_argument(
+        "--source-columns",
+        default=None,
+        metavar="ROLE=COLUMN,...",
+        help="the --source-table's columns: id and vector, and optionally payload, tenant, "
+        "user, session, metadata; e.g. id=doc_id,vector=embedding,payload=body,tenant=org",
     )
     serve.add_argument(
         "--source-max-lag",

@@ -54,6 +54,10 @@ class SidecarConfig:
     source_max_lag: int = 0  # feed positions behind the head at which it becomes ready
     source_retention_s: float = 3600.0  # change rows kept for followers (docs/OPERATIONS.md)
     source_snapshot_s: float = 60.0  # with data_dir: between snapshots while changes arrive
+    # A table that other programs write, mirrored as the memories (kalos.server.source_table):
+    # [schema.]table, and its columns as ROLE=COLUMN,... (id and vector required).
+    source_table: str | None = None
+    source_columns: str | None = None
     # Sessions and state: a tokenizer.json for turns sent without token ids, and size limits.
     tokenizer: str | None = None
     # The token heap (kalos.stores.token_heap): sessions' token ids in shared memory that shm
@@ -124,6 +128,14 @@ class SidecarConfig:
             raise ConfigError(
                 "source_max_lag must be >= 0, source_retention_s and source_snapshot_s positive"
             )
+        if (self.source_table is None) != (self.source_columns is None):
+            raise ConfigError("--source-table and --source-columns go together")
+        if self.source_table is not None:
+            if self.source is None:
+                raise ConfigError("--source-table needs --source (or --source-file)")
+            from kalos.server.source_table import parse_columns
+
+            parse_columns(str(self.source_columns))  # ConfigError when malformed
         if self.admin_port is not None and not 0 <= self.admin_port <= 65535:
             raise ConfigError(f"admin_port must be between 0 and 65535, got {self.admin_port}")
         for address in self.grpc:

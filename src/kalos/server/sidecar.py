@@ -211,6 +211,11 @@ class Sidecar:
         self.source: Source | None = None
         if config.source is not None:
             from kalos.server.source import Source
+            from kalos.server.source_table import parse_columns
+
+            table = None
+            if config.source_table is not None and config.source_columns is not None:
+                table = (config.source_table, parse_columns(config.source_columns))
 
             self.source = Source(
                 config.source,
@@ -224,6 +229,7 @@ class Sidecar:
                 identity=identity,
                 fork=not config.device.startswith("cuda"),
                 snapshot_s=config.source_snapshot_s,
+                table=table,
             )
             handle = self.source.handle
         journal: Journal | None = self.source if self.source is not None else self.durability

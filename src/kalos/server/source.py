@@ -79,6 +79,8 @@ from kalos.server.durability import (
     Snapshotting,
     list_snapshots,
 )
+from kalos.server.progress import LoadProgress
+from kalos.server.source_table import MirroredTable, resolve
 from kalos.stores.state import StateStore
 from kalos.stores.wal import fsync_dir
 from kalos.types import Scope
@@ -131,6 +133,13 @@ CREATE TABLE IF NOT EXISTS kalos_changes (
     id bigint,
     tenant text, "user" text, session text, key text
 );
+-- the mirrored table a change of kind 't' (a row) or 'x' (a TRUNCATE) is of
+DO $$ BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'kalos_changes'::regclass
+                   AND attname = 'rel' AND NOT attisdropped) THEN
+        ALTER TABLE kalos_changes ADD COLUMN rel oid;
+    END IF;
+END $$;
 CREATE TABLE IF NOT EXISTS kalos_followers (
     name text PRIMARY KEY,
     applied bigint NOT NULL,
@@ -241,22 +250,50 @@ CREATE OR REPLACE TRIGGER kalos_state_deleted AFTER DELETE ON kalos_state
     FOR EACH STATEMENT EXECUTE FUNCTION kalos_state_changed();
 """
 
-_MEMORY_COLUMNS = 'id, vector, kind, payload, tenant, "user", session, tokens, meta::text, key'
-_CHANGES = f"""
-SELECT c.seq, c.kind, c.id, c.tenant, c."user", c.session, c.key,
-       m.id IS NOT NULL, m.vector, m.kind, m.payload, m.tenant, m."user", m.session, m.tokens,
-       m.meta::text, m.key, s.version, s.value
+# A memory row, in the order Source._add reads (MirroredTable.select gives the same)
+_MEMORY_COLUMNS = (
+    'm.id, m.vector, m.kind, m.payload, m.tenant, m."user", m.session, m.tokens, m.meta::text, '
+    "m.key"
+)
+_MEMORY_TYPES = ["int8", "bytea", "int2", "bytea", "text", "text", "text", "bytea", "text", "text"]
+# A change row: seq, kind, id, tenant, user, session, key, rel (0-7); whether its memory row
+# exists (8), that row (9-18); a state row's version and value (19, 20).
+_CHANGES = """
+SELECT c.seq, c.kind, c.id, c.tenant, c."user", c.session, c.key, c.rel,
+       m.{id} IS NOT NULL, {memory}, s.version, s.value
 FROM kalos_changes c
-LEFT JOIN kalos_memories m ON c.kind = 'm' AND m.id = c.id
+LEFT JOIN {table} m ON {join}
 LEFT JOIN kalos_state s ON c.kind = 's' AND s.tenant = c.tenant AND s."user" = c."user"
     AND s.session = c.session AND s.key = c.key
-WHERE c.seq > %s ORDER BY c.seq LIMIT {BATCH_ROWS}
+WHERE c.seq > %s ORDER BY c.seq LIMIT {rows}
 """
 _PRUNE = """
 DELETE FROM kalos_changes WHERE at < now() - make_interval(secs => %(r)s)
     AND seq <= coalesce((SELECT min(applied) FROM kalos_followers
                          WHERE seen > now() - make_interval(secs => %(r)s)), 0)
 """
+
+
+def _changes_query(table: MirroredTable | None) -> Any:
+    """The follower's query: the changes after a position, joined with the rows as they are
+    now (of ``kalos_memories``, or of the mirrored table)."""
+    from psycopg import sql
+
+    if table is None:
+        return sql.SQL(_CHANGES).format(
+            id=sql.Identifier("id"), memory=sql.SQL(_MEMORY_COLUMNS),
+            table=sql.Identifier("kalos_memories"), join=sql.SQL("c.kind = 'm' AND m.id = c.id"),
+            rows=sql.Literal(BATCH_ROWS),
+        )  # fmt: skip
+    join = sql.SQL("c.kind = 't' AND c.rel = {oid} AND m.{id} = c.{slot}").format(
+        oid=sql.Literal(table.oid),
+        id=table.column("id"),
+        slot=sql.Identifier("key" if table.text_ids else "id"),
+    )
+    return sql.SQL(_CHANGES).format(
+        id=table.column("id"), memory=table.select("m"), table=table.sql(), join=join,
+        rows=sql.Literal(BATCH_ROWS),
+    )  # fmt: skip
 
 
 def _psycopg() -> Any:
@@ -348,11 +385,14 @@ class Source:
         identity: Mapping[str, Any] | None = None,
         fork: bool = True,
         snapshot_s: float = DEFAULT_SNAPSHOT_S,
+        table: tuple[str, Mapping[str, str]] | None = None,
     ) -> None:
         """``data_dir``: where local snapshots are written and resumed from (None: every
         start loads the tables); ``identity``: what a snapshot's data depend on (dim, metric,
         tokenizer), all of which must match for a resume; ``fork``: write background
-        snapshots from a forked child (not with CUDA)."""
+        snapshots from a forked child (not with CUDA); ``table``: a table that other
+        programs write and its columns (role -> column, :mod:`kalos.server.source_table`),
+        whose rows are then the memories instead of ``kalos_memories``'."""
         self._psycopg = _psycopg()
         self._conninfo = conninfo
         self.where = redact(conninfo)
@@ -383,7 +423,13 @@ class Source:
         self.reconnects = 0
         self.feed_id: str | None = None  # kalos_feed.feed_id of the database
         self.snapshot_s = snapshot_s
+        self._table_spec = table
+        self.table: MirroredTable | None = None  # checked against the catalog at start
+        self._changes = _changes_query(None)
         self.snapshots: SnapshotDirectory | None = None
+        if table is not None:  # a snapshot of another table or mapping is not resumed
+            roles = ",".join(f"{r}={c}" for r, c in sorted(table[1].items()))
+            identity = {**(identity or {}), "source_table": f"{table[0]}:{roles}"}
         if data_dir is not None:
             stores: dict[str, Snapshotting] = {
                 "memories": dispatcher.memories,
@@ -536,6 +582,12 @@ class Source:
                 lsn = int(cur.fetchone()[0])
         except KalosError:
             raise
+        except (self._psycopg.DataError, self._psycopg.IntegrityError) as exc:
+            # the rows do not fit the table (a constraint, a type, a range): the request's fault
+            self._drop_writer(conn)
+            raise InvalidRequest(
+                f"the source database refused the write: {str(exc).strip()}"
+            ) from exc
         except self._psycopg.Error as exc:
             self.refused_writes += 1
             # A failed connection may be left mid-pipeline (executemany): never reuse one.
@@ -552,6 +604,11 @@ class Source:
         self.writer_error = None
         return n, lsn
 
+    def _drop_writer(self, conn: Any) -> None:
+        with contextlib.suppress(Exception):
+            conn.close()
+        self._writer = None
+
     def _prepare(self, op: int, flags: int, body: np.ndarray) -> Callable[[Any, np.ndarray], int]:
         """Decodes and checks a write; returns what runs it in a transaction."""
         end = len(body)
@@ -562,6 +619,8 @@ class Source:
             memories.check_vectors(vectors, "a vector")
             if bool((req.ids == -1).any()):
                 raise InvalidRequest("id -1 is reserved for 'no result'")
+            if self.table is not None:
+                return self._prepare_mirror_add(req, vectors)
             tenant, user, session = (f or "" for f in req.scope)
             bounds = req.offsets.tolist()
             blob = req.blob.tobytes()
@@ -599,9 +658,10 @@ class Source:
             return add
         if op == Op.REMOVE:
             ids = M.decode_remove(body, end).tolist()
+            deletion = self._delete_ids(ids)
 
             def remove(cur: Any, out: np.ndarray) -> int:
-                cur.execute("DELETE FROM kalos_memories WHERE id = ANY(%s)", (ids,))
+                cur.execute(*deletion)
                 return M.encode_counts(out, cur.rowcount)
 
             return remove
@@ -665,6 +725,45 @@ class Source:
             return delete
         raise InvalidRequest(f"op {op} is not a source write")
 
+    def _delete_ids(self, ids: list[int]) -> tuple[Any, tuple[Any, ...]]:
+        """The DELETE of the memories ``ids`` and its parameters. A mirrored table with text
+        ids is matched on the string ids this replica holds for them (an id it does not
+        hold is not in the table either, as far as it has applied the feed)."""
+        table = self.table
+        if table is None:
+            return "DELETE FROM kalos_memories WHERE id = ANY(%s)", (ids,)
+        if not table.text_ids:
+            return table.delete_ids(ids)
+        keys = self.dispatcher.memories.metadata.keys
+        return table.delete_ids([keys[i] for i in ids if i in keys])
+
+    def _prepare_mirror_add(
+        self, req: Any, vectors: np.ndarray
+    ) -> Callable[[Any, np.ndarray], int]:
+        """An ADD into the mirrored table's mapped columns (an upsert on its id column)."""
+        table = self.table
+        assert table is not None
+        bounds, blob = req.offsets.tolist(), req.blob.tobytes()
+        payloads = [
+            (int(kind), blob[bounds[i] : bounds[i + 1]])
+            for i, kind in enumerate(req.kinds.tolist())
+        ]
+        rows = table.write_rows(
+            req.ids.tolist(), req.keys, vectors, payloads, tuple(req.scope), req.meta, req.tokens
+        )
+        upsert = table.upsert()
+
+        def add(cur: Any, out: np.ndarray) -> int:
+            cur.executemany(upsert, rows, returning=True)
+            added = 0
+            while True:
+                added += int(bool(cur.fetchone()[0]))
+                if not cur.nextset():
+                    break
+            return M.encode_counts(out, added, len(rows) - added)
+
+        return add
+
     def _prepare_forget(self, flags: int, body: np.ndarray) -> Callable[[Any, np.ndarray], int]:
         dispatcher = self.dispatcher
         _, _, scope, off = M.decode_scoped(body, len(body))
@@ -674,18 +773,24 @@ class Source:
             ids = np.intersect1d(
                 memories.ids_in_scope(scope), memories.metadata.matching(where), assume_unique=True
             ).tolist()
+            matching = self._delete_ids(ids)
 
             def forget_ids(cur: Any, out: np.ndarray) -> int:
-                cur.execute("DELETE FROM kalos_memories WHERE id = ANY(%s)", (ids,))
+                cur.execute(*matching)
                 return M.encode_forgotten(out, (cur.rowcount, 0, 0, 0))
 
             return forget_ids
         if not any(scope):
             raise InvalidRequest("forget needs a scope: a tenant, a user or a session")
         clause, params = _where(scope)
+        deletion: tuple[Any, Any] = (
+            (f"DELETE FROM kalos_memories WHERE {clause}", params)
+            if self.table is None
+            else self.table.delete_scope(tuple(scope))
+        )
 
         def forget(cur: Any, out: np.ndarray) -> int:
-            cur.execute(f"DELETE FROM kalos_memories WHERE {clause}", params)
+            cur.execute(*deletion)
             items = cur.rowcount
             cur.execute(f"DELETE FROM kalos_state WHERE {clause}", params)
             values = cur.rowcount
@@ -733,6 +838,11 @@ class Source:
                 # one sidecar at a time runs the DDL (CREATE ... IF NOT EXISTS races otherwise)
                 conn.execute("SELECT pg_advisory_xact_lock(hashtext('kalos_schema'))")
                 conn.execute(SCHEMA)
+                if self._table_spec is not None:
+                    self.table = resolve(conn, *self._table_spec)
+                    schema = str(conn.execute("SELECT current_schema()").fetchone()[0])
+                    self.table.install(conn, schema)
+                    self._changes = _changes_query(self.table)
             self.feed_id = str(conn.execute("SELECT feed_id FROM kalos_feed").fetchone()[0])
             if self.snapshots is not None:  # recorded in every snapshot, checked on resume
                 self.snapshots.meta = {
@@ -860,19 +970,25 @@ class Source:
                 self._loading = True  # the stores are not those of a position until the end
                 self._clear()
             with conn.cursor() as cur:
-                copy_sql = f"COPY (SELECT {_MEMORY_COLUMNS} FROM kalos_memories) TO STDOUT "
-                with cur.copy(copy_sql + "(FORMAT BINARY)") as copy:
-                    copy.set_types(
-                        ["int8", "bytea", "int2", "bytea", "text", "text", "text", "bytea",
-                         "text", "text"]
-                    )  # fmt: skip
+                copy_sql, types, table_oid = self._copy_memories()
+                total, estimated = self._row_count(conn, table_oid)
+                what = "kalos_memories" if self.table is None else self.table.qualified
+                progress = LoadProgress(what, total, estimated=estimated)
+                with cur.copy(copy_sql) as copy:
+                    copy.set_types(types)
                     chunk: list[tuple[Any, ...]] = []
+                    read = 0
                     for row in copy.rows():
-                        chunk.append(row)
+                        read += 1
+                        memory = self._memory_row(row, binary_array=True)
+                        if memory is not None:
+                            chunk.append(memory)
                         if len(chunk) >= COPY_CHUNK:
                             rows += self._apply_memories(chunk)
                             chunk = []
+                            progress.update(read)
                     rows += self._apply_memories(chunk)
+                    progress.finish(read)
                 with cur.copy(
                     'COPY (SELECT tenant, "user", session, key, version, value FROM '
                     "kalos_state) TO STDOUT (FORMAT BINARY)"
@@ -888,6 +1004,59 @@ class Source:
             self.applied = self.head = head
             self._loading = False
         self.bootstrap_s = time.perf_counter() - t0
+
+    def _copy_memories(self) -> tuple[Any, list[str], Any]:
+        """The load's COPY of the memory rows, its column types, and the table's oid (or the
+        SQL naming it)."""
+        from psycopg import sql
+
+        table = self.table
+        if table is None:
+            own = sql.SQL(
+                f"COPY (SELECT {_MEMORY_COLUMNS} FROM kalos_memories m) TO STDOUT (FORMAT BINARY)"
+            )
+            return own, _MEMORY_TYPES, sql.SQL("'kalos_memories'::regclass")
+        copy = sql.SQL(
+            "COPY (SELECT {memory} FROM {table} m WHERE m.{id} IS NOT NULL) TO STDOUT "
+            "(FORMAT BINARY)"
+        ).format(memory=table.select("m"), table=table.sql(), id=table.column("id"))
+        # the vector as its binary form (bytea, or an array that MirroredTable decodes)
+        types = ["text" if table.text_ids else "int8", *_MEMORY_TYPES[1:3], "text",
+                 *_MEMORY_TYPES[4:8], "text", "text"]  # fmt: skip
+        return copy, types, sql.Literal(table.oid)
+
+    def _row_count(self, conn: Any, oid: Any) -> tuple[int, bool]:
+        """The rows the load is about to read, for its progress: the planner's estimate
+        (free), or a count when the table was never analysed; and whether estimated."""
+        from psycopg import sql
+
+        query = sql.SQL("SELECT reltuples::bigint FROM pg_class WHERE oid = {}").format(oid)
+        estimate = int(conn.execute(query).fetchone()[0])
+        if estimate >= 0:
+            return estimate, True
+        table = sql.Identifier("kalos_memories") if self.table is None else self.table.sql()
+        count = sql.SQL("SELECT count(*) FROM {}").format(table)
+        return int(conn.execute(count).fetchone()[0]), False
+
+    def _memory_row(self, raw: tuple[Any, ...], *, binary_array: bool) -> tuple[Any, ...] | None:
+        """A memory row as read (kalos_memories', or the mirrored table's) in Kalos's form;
+        None, counted and logged, when a mirrored row cannot be a memory."""
+        table = self.table
+        if table is None:
+            return raw
+        try:
+            return table.memory_row(raw, binary_array=binary_array)
+        except InvalidRequest as exc:
+            self._left_out(f"row {raw[0]!r} of {table.qualified}", exc)
+            return None
+
+    def _left_out(self, what: str, why: Exception) -> None:
+        """Counts a row that cannot be applied, and logs why (the first 20, then every
+        1,000th: a table of bad rows does not flood the log)."""
+        self.apply_errors += 1
+        n = self.apply_errors
+        if n <= 20 or n % 1000 == 0:
+            log.warning("%s left out (%d so far): %s", what, n, why)
 
     def _clear(self) -> None:
         """Removes every memory and state value from the local stores (under the lock)."""
@@ -914,8 +1083,7 @@ class Source:
                             self._add([row], _scope(tenant, user, session))
                             applied += 1
                         except (KalosError, ValueError) as one:
-                            self.apply_errors += 1
-                            log.warning("memory %s left out: %s", row[0], one)
+                            self._left_out(f"memory {row[0]}", one)
                     del exc
         return applied
 
@@ -937,7 +1105,8 @@ class Source:
         offsets[1:] = np.cumsum([len(p) for p in payloads])
         blob = np.frombuffer(b"".join(payloads), np.uint8)
         tokens = [None if r[7] is None else np.frombuffer(r[7], "<i4") for r in rows]
-        meta = [None if r[8] is None else json.loads(r[8]) for r in rows]
+        # meta: JSON text (kalos_memories), or already a dict (a mirrored table's row)
+        meta = [r[8] if r[8] is None or isinstance(r[8], dict) else json.loads(r[8]) for r in rows]
         keys = [r[9] for r in rows]
         memories.add(ids, vectors, kinds, offsets, blob, scope, tokens, meta, keys)
 
@@ -992,7 +1161,7 @@ class Source:
         self.head = head
         if head <= self.applied:
             return False
-        rows = conn.execute(_CHANGES, (self.applied,)).fetchall()
+        rows = conn.execute(self._changes, (self.applied,)).fetchall()
         # positions are unique and sorted: the batch is whole when both ends are where due
         if not rows or rows[0][0] != self.applied + 1 or rows[-1][0] != self.applied + len(rows):
             # the rows after our position were pruned: only a reload brings us level
@@ -1010,24 +1179,41 @@ class Source:
         return len(rows) >= BATCH_ROWS
 
     def _apply_change(self, row: tuple[Any, ...]) -> None:
-        """One change row with the current contents of its row (under the lock)."""
-        kind, item = row[1], row[2]
+        """One change row with the current contents of its row (under the lock; the layout
+        of :data:`_CHANGES`). The memories follow ``kalos_memories`` (kind ``m``) or the
+        mirrored table (``t``: a row, ``x``: a TRUNCATE), never both."""
+        kind, table = row[1], self.table
+        memories = self.dispatcher.memories
         try:
-            if kind == "m":
-                memories = self.dispatcher.memories
-                if row[7]:  # the row exists: upsert it as it is now
-                    self._add([(item, *row[8:17])], _scope(row[11], row[12], row[13]))
-                else:
-                    memories.remove(np.array([item], np.int64))
-            else:
-                version, value = row[17], row[18]
+            if kind == "s":
+                version, value = row[19], row[20]
                 self.dispatcher.state.apply(
                     (row[3], row[4], row[5]), row[6], version or 0,
                     None if value is None else bytes(value),
                 )  # fmt: skip
+            elif kind == "m" and table is None:
+                if row[8]:  # the row exists: upsert it as it is now
+                    self._add([(row[2], *row[10:19])], _scope(row[13], row[14], row[15]))
+                else:
+                    memories.remove(np.array([row[2]], np.int64))
+            elif table is not None and row[7] == table.oid and kind in ("t", "x"):
+                if kind == "x":
+                    memories.remove(memories.ids_in_scope(Scope()))
+                    return
+                item = np.array([table.item_id(row[6] if table.text_ids else row[2])], np.int64)
+                # a row that is gone, or cannot be a memory: its earlier version goes too
+                memory = self._memory_row(row[9:19], binary_array=False) if row[8] else None
+                if memory is None:
+                    memories.remove(item)
+                    return
+                try:
+                    self._add([memory], _scope(memory[4], memory[5], memory[6]))
+                except (KalosError, ValueError):
+                    memories.remove(item)
+                    raise
+            # else: a change of a table this sidecar does not follow
         except (KalosError, ValueError) as exc:
-            self.apply_errors += 1
-            log.warning("change %d left out: %s", row[0], exc)
+            self._left_out(f"change {row[0]}", exc)
 
     def _kept_from(self) -> int:
         """The position recorded in ``kalos_followers``, after which the feed keeps every
@@ -1108,6 +1294,7 @@ class Source:
         return {
             "source": self.where,
             "follower": self.follower,
+            "table": None if self.table is None else self.table.qualified,
             "connected": self.connected,
             "degraded": self.degraded,
             "writer_error": self.writer_error,
