@@ -249,6 +249,54 @@ def test_the_change_feed_is_pruned_once_every_follower_passed_it(
         wait_for(lambda: find(a, 50) == "y", "a write after the pruning")
 
 
+@pytest.mark.parametrize(
+    ("lost", "new_rows", "new_feed"),
+    [(5, 0, False), (5, 10, False), (0, 0, True)],
+    ids=["head-behind", "positions-reused", "feed-replaced"],
+)
+def test_a_rewound_feed_is_reloaded_not_diverged_from(
+    source: str, runtime_dir: str, lost: int, new_rows: int, new_feed: bool
+) -> None:
+    """As after a failover to a standby that lacked the last commits (or a restore): the
+    feed's last positions vanish, and later commits may take them again. Every sidecar
+    notices, reloads, and holds what the tables hold."""
+    import psycopg
+
+    with replicas(source, runtime_dir, n=2) as (a, b):
+        a.add(np.stack([vector(i) for i in range(20)]), list(range(20)), ["x"] * 20)
+        wait_for(lambda: find(b, 19) == "x", "the add on the other sidecar")
+        with psycopg.connect(source) as sql, sql.transaction():
+            head = int(sql.execute("SELECT head FROM kalos_feed").fetchone()[0])
+            # the lost commits: never made, as far as this timeline knows (no triggers)
+            sql.execute("SET LOCAL session_replication_role = replica")
+            sql.execute("DELETE FROM kalos_memories WHERE id >= %s", (20 - lost,))
+            sql.execute("DELETE FROM kalos_changes WHERE seq > %s", (head - lost,))
+            sql.execute("UPDATE kalos_feed SET head = head - %s", (lost,))
+            if new_feed:
+                sql.execute("UPDATE kalos_feed SET feed_id = 'restored'")
+            sql.execute("SET LOCAL session_replication_role = origin")
+            for item in range(100, 100 + new_rows):  # one position each, from head - lost on
+                sql.execute(
+                    "INSERT INTO kalos_memories (id, vector, payload) VALUES (%s, %s, 'new')",
+                    (item, vector(item).tobytes()),
+                )
+        kept = list(range(20 - lost))
+        fresh = list(range(100, 100 + new_rows))
+        for c in (a, b):
+            wait_for(lambda c=c: c.stats()["source"]["reloads"] >= 1, "a reload")
+            wait_for(
+                lambda c=c: (
+                    c.stats()["items"] == len(kept) + len(fresh)
+                    and all(find(c, i) == "x" for i in kept)
+                    and all(find(c, i) == "new" for i in fresh)
+                ),
+                "the tables' rows",
+            )
+            assert all(find(c, i) is None for i in range(20 - lost, 20))
+        a.add(vector(500)[None], [500], ["after"])  # and they follow on
+        wait_for(lambda: find(b, 500) == "after", "a write after the reload")
+
+
 @pytest.mark.parametrize("crash", [False, True], ids=["restart", "kill-9"])
 def test_database_restart_under_load_loses_nothing_acknowledged(
     pg: PostgresServer, source: str, runtime_dir: str, crash: bool

@@ -257,15 +257,19 @@ _MEMORY_COLUMNS = (
 )
 _MEMORY_TYPES = ["int8", "bytea", "int2", "bytea", "text", "text", "text", "bytea", "text", "text"]
 # A change row: seq, kind, id, tenant, user, session, key, rel (0-7); whether its memory row
-# exists (8), that row (9-18); a state row's version and value (19, 20).
+# exists (8), that row (9-18); a state row's version and value (19, 20); when it was made (21).
 _CHANGES = """
 SELECT c.seq, c.kind, c.id, c.tenant, c."user", c.session, c.key, c.rel,
-       m.{id} IS NOT NULL, {memory}, s.version, s.value
+       m.{id} IS NOT NULL, {memory}, s.version, s.value, c.at
 FROM kalos_changes c
 LEFT JOIN {table} m ON {join}
 LEFT JOIN kalos_state s ON c.kind = 's' AND s.tenant = c.tenant AND s."user" = c."user"
     AND s.session = c.session AND s.key = c.key
 WHERE c.seq > %s ORDER BY c.seq LIMIT {rows}
+"""
+# The feed's head and id, and when the change at a position was made (NULL: pruned, or none)
+_HEAD = """
+SELECT f.head, f.feed_id, (SELECT c.at FROM kalos_changes c WHERE c.seq = %s) FROM kalos_feed f
 """
 _PRUNE = """
 DELETE FROM kalos_changes WHERE at < now() - make_interval(secs => %(r)s)
@@ -422,6 +426,7 @@ class Source:
         self.pruned = 0
         self.reconnects = 0
         self.feed_id: str | None = None  # kalos_feed.feed_id of the database
+        self._applied_at: Any = None  # when the change at `applied` was made (if known)
         self.snapshot_s = snapshot_s
         self._table_spec = table
         self.table: MirroredTable | None = None  # checked against the catalog at start
@@ -965,6 +970,7 @@ class Source:
         with conn.transaction():
             conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
             head = int(conn.execute("SELECT head FROM kalos_feed").fetchone()[0])
+            _, feed_id, head_at = conn.execute(_HEAD, (head,)).fetchone()
             rows = 0
             with self.lock:
                 self._loading = True  # the stores are not those of a position until the end
@@ -1002,7 +1008,12 @@ class Source:
         with self.lock:
             self.loaded_rows = rows
             self.applied = self.head = head
+            self._applied_at = head_at
             self._loading = False
+        if feed_id != self.feed_id:  # a feed created again: its snapshots are of that one
+            self.feed_id = str(feed_id)
+            if self.snapshots is not None:
+                self.snapshots.meta["source_feed"] = self.feed_id
         self.bootstrap_s = time.perf_counter() - t0
 
     def _copy_memories(self) -> tuple[Any, list[str], Any]:
@@ -1157,8 +1168,15 @@ class Source:
 
     def _catch_up(self, conn: Any) -> bool:
         """Applies the next batch of changes; True when there may be more."""
-        head = int(conn.execute("SELECT head FROM kalos_feed").fetchone()[0])
-        self.head = head
+        head, feed_id, applied_at = conn.execute(_HEAD, (self.applied,)).fetchone()
+        why = self._rewound(int(head), str(feed_id), applied_at)
+        if why is not None:
+            log.warning("%s: reloading", why)
+            self.reloads += 1
+            self._load(conn)
+            self._wake()
+            return True
+        self.head = head = int(head)
         if head <= self.applied:
             return False
         rows = conn.execute(self._changes, (self.applied,)).fetchall()
@@ -1174,9 +1192,30 @@ class Source:
             for row in rows:
                 self._apply_change(row)
             self.applied = int(rows[-1][0])
+            self._applied_at = rows[-1][21]
             self.applied_changes += len(rows)
         self._wake()
         return len(rows) >= BATCH_ROWS
+
+    def _rewound(self, head: int, feed_id: str, applied_at: Any) -> str | None:
+        """Why the database's feed is no longer the one applied here, or None: its tables
+        were created again or restored from a backup (another feed id), or a failover went
+        to a standby that lacked the last commits (the head is behind the applied position,
+        or the change at that position is another one, made since)."""
+        rewound = "a failover to a standby without the last commits, or a restore"
+        if feed_id != self.feed_id:
+            return "the database's change feed is another one (its tables made again, or restored)"
+        if head < self.applied:
+            return (
+                f"the feed's head {head} is behind position {self.applied} applied here: {rewound}"
+            )
+        if (
+            applied_at is not None
+            and self._applied_at is not None
+            and applied_at != self._applied_at
+        ):
+            return f"the change at position {self.applied} is not the one applied here: {rewound}"
+        return None
 
     def _apply_change(self, row: tuple[Any, ...]) -> None:
         """One change row with the current contents of its row (under the lock; the layout
