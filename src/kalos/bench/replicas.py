@@ -8,8 +8,11 @@ fsync on) and ``--replicas`` sidecars on it, each its own process, as stand-ins 
   from one client thread.
 - ``write throughput``: W writer threads adding one item per request for ``--seconds``,
   all through one sidecar, then spread over all of them.
-- ``bootstrap``: ``--bootstrap-rows`` rows COPYed into the table, then a fresh sidecar's load
-  (start to ready) of them.
+- ``bootstrap``: ``--bootstrap-rows`` rows of ``--bootstrap-dim`` COPYed into the table
+  (``kalos_memories``, or with ``--bootstrap-table real[]`` or ``bytea`` an application's
+  table that the sidecar mirrors), then a fresh sidecar's load (start to ready) of them, and
+  its resident memory. ``--bootstrap-only`` runs this part alone (written with the suffix
+  ``bootstrap-<rows>x<dim>``, beside the full scenario's result rather than over it).
 
 ``checks.lost``: acknowledged adds missing from the table or from any sidecar at the end.
 """
@@ -40,6 +43,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=4.0, help="per throughput configuration")
     p.add_argument("--writers", type=int, default=3, help="writer threads for the throughput")
     p.add_argument("--bootstrap-rows", type=int, default=100_000)
+    p.add_argument("--bootstrap-dim", type=int, default=None, help="default: --dim")
+    p.add_argument(
+        "--bootstrap-table",
+        choices=("kalos_memories", "real[]", "bytea"),
+        default="kalos_memories",
+        help="load Kalos's own table, or mirror a table with real[] or bytea vectors",
+    )
+    p.add_argument("--bootstrap-only", action="store_true", help="skip the replicas part")
 
 
 def _vectors(n: int, dim: int, seed: int) -> np.ndarray:
@@ -103,42 +114,94 @@ def _throughput(clients: list[Any], writers: int, seconds: float, dim: int, base
     return np.array([x for out in lat for x in out], np.int64), wall
 
 
-def _bootstrap(pg: Any, dim: int, rows: int) -> dict[str, Any]:
+COPY_HEADER = b"PGCOPY\n\xff\r\n\x00" + b"\x00" * 8  # signature, flags, extension length
+COPY_TRAILER = b"\xff\xff"
+FLOAT4_OID = 700
+
+
+def copy_block(ids: np.ndarray, vectors: np.ndarray, as_array: bool) -> bytes:
+    """Rows (id bigint, vector) in PostgreSQL's binary COPY format, built with numpy:
+    the vector as bytea (little-endian float32) or as a one-dimensional real[]."""
+    n, dim = vectors.shape
+    if as_array:
+        cells = np.dtype([("len", ">i4"), ("v", ">f4")])
+        vector = [("vlen", ">i4"), ("ndim", ">i4"), ("nulls", ">i4"), ("oid", ">i4"),
+                  ("size", ">i4"), ("lbound", ">i4"), ("cells", cells, (dim,))]  # fmt: skip
+    else:
+        vector = [("vlen", ">i4"), ("v", "<f4", (dim,))]
+    rows = np.zeros(n, [("fields", ">i2"), ("idlen", ">i4"), ("id", ">i8"), *vector])
+    rows["fields"], rows["idlen"], rows["id"] = 2, 8, ids
+    if as_array:
+        rows["vlen"] = 20 + 8 * dim
+        rows["ndim"], rows["oid"], rows["size"], rows["lbound"] = 1, FLOAT4_OID, dim, 1
+        rows["cells"]["len"], rows["cells"]["v"] = 4, vectors
+    else:
+        rows["vlen"], rows["v"] = 4 * dim, vectors
+    return rows.tobytes()
+
+
+def _resident_peak_mib(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        return None
+    return None
+
+
+def _bootstrap(pg: Any, dim: int, rows: int, table: str) -> dict[str, Any]:
     import psycopg
 
     conninfo = pg.create_database("kalos_bootstrap")
     with tempfile.TemporaryDirectory(prefix="kalos-bench-") as tmp:
         source_file = Path(tmp) / "source"
         source_file.write_text(conninfo)
-        extra = ("--source-file", str(source_file))
-        with isolated_sidecar(dim=dim, name="bench-boot", extra_args=extra) as sc:
-            sc.connect(timeout=30).close()  # the schema, made by a first sidecar
+        extra: tuple[str, ...] = ("--source-file", str(source_file))
+        if table == "kalos_memories":
+            target = "kalos_memories (id, vector)"
+            with isolated_sidecar(dim=dim, name="bench-boot", extra_args=extra) as sc:
+                sc.connect(timeout=30).close()  # the schema, made by a first sidecar
+        else:
+            target = "docs (id, embedding)"
+            with psycopg.connect(conninfo, autocommit=True) as conn:
+                conn.execute(f"CREATE TABLE docs (id bigint PRIMARY KEY, embedding {table})")
+            extra += ("--source-table", "docs", "--source-columns", "id=id,vector=embedding")
         t0 = time.perf_counter()
         with psycopg.connect(conninfo) as conn, conn.cursor() as cur:
-            with cur.copy("COPY kalos_memories (id, vector) FROM STDIN (FORMAT BINARY)") as copy:
-                copy.set_types(["int8", "bytea"])
+            with cur.copy(f"COPY {target} FROM STDIN (FORMAT BINARY)") as copy:
+                copy.write(COPY_HEADER)
                 for start in range(0, rows, 10_000):
                     block = _vectors(min(10_000, rows - start), dim, start)
-                    for j in range(len(block)):
-                        copy.write_row((start + j, block[j].tobytes()))
+                    ids = np.arange(start, start + len(block), dtype=np.int64)
+                    copy.write(copy_block(ids, block, table == "real[]"))
+                copy.write(COPY_TRAILER)
             conn.commit()
-        insert_s = time.perf_counter() - t0
+            insert_s = time.perf_counter() - t0
+            name = target.split()[0]
+            found = conn.execute(f"SELECT pg_total_relation_size('{name}')").fetchone()
+            size = int(found[0]) if found else 0
         t0 = time.perf_counter()
         with isolated_sidecar(dim=dim, name="bench-boot", extra_args=extra) as sc:
-            c = sc.connect(timeout=600)
+            c = sc.connect(timeout=3600)
             ready_s = time.perf_counter() - t0
             stats = c.stats()
             c.close()
+            peak = _resident_peak_mib(sc.process.pid)
     src = stats.get("source", {})
     return {
         "system": "bootstrap",
+        "table": table,
         "rows": rows,
         "dim": dim,
         "items_loaded": stats.get("items"),
+        "table_mib": round(size / 2**20, 1),
         "copy_in_s": round(insert_s, 2),
         "start_to_ready_s": round(ready_s, 2),
         "bootstrap_s": src.get("bootstrap_s"),
         "rows_per_s": round(rows / src["bootstrap_s"]) if src.get("bootstrap_s") else None,
+        "sidecar_peak_rss_mib": peak,
     }
 
 
@@ -147,7 +210,20 @@ def run(args: argparse.Namespace) -> int:
 
     rows: list[dict[str, Any]] = []
     checks: dict[str, Any] = {}
+    boot_dim = args.bootstrap_dim or args.dim
     with postgres_server() as pg:
+        if args.bootstrap_only:
+            boot = _bootstrap(pg, boot_dim, args.bootstrap_rows, args.bootstrap_table)
+            print(f"bootstrap: {boot}")
+            params = {"postgres": "local server, Unix socket, fsync on", "transport": "shm"}
+            suffix = f"bootstrap-{args.bootstrap_rows}x{boot_dim}"
+            if args.bootstrap_table != "kalos_memories":
+                suffix += "-" + args.bootstrap_table.replace("[]", "-array")
+            checks = {"all_loaded": boot["items_loaded"] == args.bootstrap_rows}
+            path = write_result(SCENARIO, args.machine, params, [boot], args.out, suffix=suffix,
+                                checks=checks)  # fmt: skip
+            print(f"wrote {path}")
+            return 0 if checks["all_loaded"] else 1
         conninfo = pg.create_database("kalos_replicas")
         with tempfile.TemporaryDirectory(prefix="kalos-bench-") as tmp:
             source_file = Path(tmp) / "source"
@@ -199,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
                 for c in clients:
                     c.close()
         if args.bootstrap_rows:
-            rows.append(_bootstrap(pg, args.dim, args.bootstrap_rows))
+            rows.append(_bootstrap(pg, boot_dim, args.bootstrap_rows, args.bootstrap_table))
             print(f"bootstrap: {rows[-1]}")
     print_table(rows, ("system", "n", "p50_us", "p99_us", "qps"))
     params = {
