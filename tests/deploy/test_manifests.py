@@ -170,3 +170,25 @@ def test_the_dockerfile_runs_kalos_serve_as_non_root() -> None:
     args = build_parser().parse_args(cmd)
     assert args.command == "serve" and args.admin_port
     assert "ARG KALOS_EXTRAS" in text  # the gpu extra as a build arg
+
+
+@pytest.mark.parametrize(("name", "doc", "spec"), SPECS, ids=IDS)
+def test_a_source_connection_string_comes_from_a_mounted_secret(
+    name: str, doc: dict, spec: dict
+) -> None:
+    kalos = sidecar_of(spec)
+    args = serve_args(kalos)
+    assert args.source is None, "never on the command line (visible to every user of the host)"
+    assert "KALOS_SOURCE" not in env_of(kalos), "never a plain env value"
+    if args.source_file is None:
+        return
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = [m for m in kalos["volumeMounts"] if args.source_file.startswith(m["mountPath"] + "/")]
+    assert len(mounts) == 1 and "secret" in volumes[mounts[0]["name"]], "a Secret mounted as a file"
+    assert mounts[0].get("readOnly") is True
+    app_volumes = {m["name"] for app in spec["containers"] for m in app.get("volumeMounts", [])}
+    assert mounts[0]["name"] not in app_volumes, "the app container does not see it"
+
+
+def test_there_is_a_manifest_of_replicas_on_a_source_database() -> None:
+    assert any(serve_args(sidecar_of(spec)).source_file for _, _, spec in SPECS)
