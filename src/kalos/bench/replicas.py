@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from kalos.bench.common import print_table, summarize, write_result
-from kalos.testing import isolated_sidecar
+from kalos.testing import isolated_sidecar, wait_ready
 from kalos.testing_postgres import postgres_server
 
 SCENARIO = "replicas"
@@ -184,7 +184,8 @@ def _bootstrap(pg: Any, dim: int, rows: int, table: str) -> dict[str, Any]:
             size = int(found[0]) if found else 0
         t0 = time.perf_counter()
         with isolated_sidecar(dim=dim, name="bench-boot", extra_args=extra) as sc:
-            c = sc.connect(timeout=3600)
+            wait_ready(sc.socket, sc.process, timeout=3600)  # the load runs before readiness
+            c = sc.connect(timeout=30)
             ready_s = time.perf_counter() - t0
             stats = c.stats()
             c.close()
