@@ -382,3 +382,32 @@ def test_random_writes_anywhere_every_sidecar_equals_the_table(
 
         for c in clients:
             wait_for(lambda c=c: agrees(c), "a sidecar equal to the table")
+
+
+def test_the_documented_privileges_are_enough(
+    pg: PostgresServer, source: str, runtime_dir: str, app: Any
+) -> None:
+    """The sidecar's role: CREATE on the schema, SELECT, INSERT, UPDATE, DELETE and TRIGGER
+    on the table; the application's role: its own privileges on its table, nothing new."""
+    import psycopg
+
+    create_docs(app)
+    for role in ("mirror_sidecar", "docs_app"):
+        app.execute(f"CREATE ROLE {role} LOGIN")
+        app.execute(f"GRANT CONNECT ON DATABASE {app.info.dbname} TO {role}")
+    app.execute("GRANT CREATE, USAGE ON SCHEMA public TO mirror_sidecar")
+    app.execute("GRANT SELECT, INSERT, UPDATE, DELETE, TRIGGER ON docs TO mirror_sidecar")
+    app.execute("GRANT SELECT, INSERT, UPDATE, DELETE, TRUNCATE ON docs TO docs_app")
+    as_sidecar = source.replace("user=kalos", "user=mirror_sidecar")
+    with (
+        mirrors(as_sidecar, runtime_dir, n=1) as (c,),
+        psycopg.connect(source.replace("user=kalos", "user=docs_app"), autocommit=True) as own,
+    ):
+        own.execute("INSERT INTO docs (doc_id, embedding, body) VALUES (1, %s, 'by the app')",
+                    (vector(1).tolist(),))  # fmt: skip
+        wait_for(lambda: hit(c, vector(1)) == (1, "by the app", None), "the application's row")
+        c.add(vector(2)[None], [2], ["through the sidecar"])
+        own.execute("DELETE FROM docs WHERE doc_id = 1")
+        wait_for(lambda: c.stats()["items"] == 1, "the application's delete")
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            own.execute("SELECT * FROM kalos_changes")
