@@ -253,7 +253,7 @@ class SidecarCollector:
             ("apply_errors", "Changed rows left out (e.g. a vector of another dimension)"),
             ("refused_writes", "Writes the source database did not commit"),
             ("reconnects", "Reconnections to the source database"),
-            ("reloads", "Full reloads (the feed no longer held this sidecar's position)"),
+            ("reloads", "Full reloads (the feed lost this sidecar's position, or was rewound)"),
         ):
             yield CounterMetricFamily(f"kalos_source_{name}", what, value=st[name])
 
