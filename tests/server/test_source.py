@@ -297,6 +297,36 @@ def test_a_rewound_feed_is_reloaded_not_diverged_from(
         wait_for(lambda: find(b, 500) == "after", "a write after the reload")
 
 
+def test_a_snapshot_from_before_a_rewind_is_not_resumed(
+    source: str, runtime_dir: str, tmp_path: Path
+) -> None:
+    """The feed lost its last positions while the sidecar was down and later commits took
+    them again: the snapshot's position is in the feed, but not its change."""
+    import psycopg
+
+    from kalos.server import Sidecar
+
+    cfg = _replica_config("snap", source, runtime_dir, tmp_path / "data")
+    with Sidecar(cfg), kalos.Client("snap", runtime_dir=runtime_dir) as c:
+        for item in range(20):  # one position each
+            c.add(vector(item)[None], [item], ["x"])
+    with psycopg.connect(source) as sql, sql.transaction():
+        sql.execute("SET LOCAL session_replication_role = replica")
+        sql.execute("DELETE FROM kalos_memories WHERE id >= 15")
+        sql.execute("DELETE FROM kalos_changes WHERE seq > 15")
+        sql.execute("UPDATE kalos_feed SET head = 15")
+        sql.execute("SET LOCAL session_replication_role = origin")
+        for item in range(100, 110):  # positions 16 to 25: the snapshot's 20 among them
+            sql.execute("INSERT INTO kalos_memories (id, vector, payload) VALUES (%s, %s, 'new')",
+                        (item, vector(item).tobytes()))  # fmt: skip
+    with Sidecar(cfg) as sc, kalos.Client("snap", runtime_dir=runtime_dir) as c:
+        assert sc.source is not None and sc.source.recovery["resumed"] is False
+        assert "is another one" in sc.source.recovery["resume_reason"]
+        assert c.stats()["items"] == 25
+        assert all(find(c, i) is None for i in range(15, 20))
+        assert all(find(c, i) == "new" for i in range(100, 110))
+
+
 @pytest.mark.parametrize("crash", [False, True], ids=["restart", "kill-9"])
 def test_database_restart_under_load_loses_nothing_acknowledged(
     pg: PostgresServer, source: str, runtime_dir: str, crash: bool

@@ -411,3 +411,40 @@ def test_the_documented_privileges_are_enough(
         wait_for(lambda: c.stats()["items"] == 1, "the application's delete")
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
             own.execute("SELECT * FROM kalos_changes")
+
+
+def test_a_restart_resumes_its_snapshot_of_the_table_and_another_mapping_loads(
+    source: str, runtime_dir: str, app: Any, tmp_path: Any
+) -> None:
+    from kalos.server import Sidecar, SidecarConfig
+
+    create_docs(app, ids="text")
+
+    def started(columns: str) -> Sidecar:
+        return Sidecar(SidecarConfig(
+            name="snap", dim=DIM, metric="l2", runtime_dir=runtime_dir, source=source,
+            source_table="docs", source_columns=columns, data_dir=str(tmp_path / "data"),
+        ))  # fmt: skip
+
+    insert = "INSERT INTO docs (doc_id, embedding, body) VALUES (%s, %s, %s)"
+    for i in range(10):
+        app.execute(insert, (f"doc-{i}", vector(i).tolist(), f"body {i}"))
+    with started(COLUMNS), kalos.Client("snap", runtime_dir=runtime_dir) as c:
+        assert c.stats()["items"] == 10
+    for i in range(10, 15):  # while it is down
+        app.execute(insert, (f"doc-{i}", vector(i).tolist(), f"body {i}"))
+    app.execute("DELETE FROM docs WHERE doc_id = 'doc-0'")
+    with started(COLUMNS), kalos.Client("snap", runtime_dir=runtime_dir) as c:
+        st = c.stats()["source"]
+        assert st["resumed"] is True and st["loaded_rows"] == 0, st["resume_reason"]
+        assert c.stats()["items"] == 14 and hit(c, vector(0)) is None
+        assert hit(c, vector(12)) == (kalos.key_id("doc-12"), "body 12", None)
+        assert [m.key for m in c.lookup(["doc-3"])] == ["doc-3"]  # string ids restored
+    with started("id=doc_id,vector=embedding"), kalos.Client("snap", runtime_dir=runtime_dir) as c:
+        st = c.stats()["source"]
+        assert st["resumed"] is False and "source_table" in st["resume_reason"]
+        assert c.stats()["items"] == 14 and hit(c, vector(12)) == (
+            kalos.key_id("doc-12"),
+            None,
+            None,
+        )

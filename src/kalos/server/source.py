@@ -55,6 +55,7 @@ in its snapshots: every start begins them empty.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import logging
 import os
@@ -427,6 +428,9 @@ class Source:
         self.reconnects = 0
         self.feed_id: str | None = None  # kalos_feed.feed_id of the database
         self._applied_at: Any = None  # when the change at `applied` was made (if known)
+        # a load replaced the stores since the last snapshot (at whatever position: a table
+        # mirrored from before its triggers loads rows at position 0)
+        self._load_unsaved = False
         self.snapshot_s = snapshot_s
         self._table_spec = table
         self.table: MirroredTable | None = None  # checked against the catalog at start
@@ -510,7 +514,7 @@ class Source:
         files = self.snapshots
         return (
             files is not None
-            and self.applied != files.snapshot_lsn
+            and (self.applied != files.snapshot_lsn or self._load_unsaved)
             and time.monotonic() - self._snapshot_tried >= self.snapshot_s
             and not files.busy
         )
@@ -527,12 +531,17 @@ class Source:
         t0 = time.perf_counter()
         with self.lock:  # the follower applies under it: the stores are those of `applied`
             self._snapshot_tried = time.monotonic()
-            if self._loading or self.feed_id is None or self.applied == files.snapshot_lsn:
+            unchanged = self.applied == files.snapshot_lsn and not self._load_unsaved
+            if self._loading or self.feed_id is None or unchanged:
                 return None
             position = self.applied
+            # when the change at its position was made: a resume checks it is still that one
+            at = self._applied_at
+            files.meta["source_at"] = "" if at is None else at.isoformat()
             begun = files.begin(position, background)
             if begun is None:
                 return None
+            self._load_unsaved = False
         return files.launch(begun, position, t0, background)
 
     def outcome(self, lsn: int) -> Literal[True] | str | None:
@@ -918,6 +927,21 @@ class Source:
         head, gone = self._hold_feed(conn, position)
         if gone is not None:
             return False, gone
+        row = conn.execute("SELECT at FROM kalos_changes WHERE seq = %s", (position,)).fetchone()
+        made = None if row is None else row[0]
+        try:
+            ours = (
+                datetime.datetime.fromisoformat(meta["source_at"])
+                if meta.get("source_at")
+                else None
+            )
+        except ValueError:
+            return False, f"the snapshot's source_at {meta['source_at']!r} is not a time"
+        if ours is not None and made is not None and made != ours:
+            return False, (
+                f"the change at the snapshot's position {position} is another one (a failover "
+                "to a standby without the last commits, or a restore)"
+            )
         t0 = time.perf_counter()
         try:
             with self.lock:
@@ -927,6 +951,7 @@ class Source:
             return False, f"the snapshot cannot be restored: {type(exc).__name__}: {exc}"
         self.bootstrap_s = time.perf_counter() - t0
         self.applied = self.applied_from = position
+        self._applied_at = made
         self.head = head  # readiness waits for the follower to apply up to it
         files.snapshot_lsn = position
         age_s = max(0.0, (time.time_ns() - int(meta.get("created_ns", 0))) / 1e9)
@@ -1010,6 +1035,7 @@ class Source:
             self.applied = self.head = head
             self._applied_at = head_at
             self._loading = False
+            self._load_unsaved = True
         if feed_id != self.feed_id:  # a feed created again: its snapshots are of that one
             self.feed_id = str(feed_id)
             if self.snapshots is not None:
