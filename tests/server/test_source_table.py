@@ -448,3 +448,22 @@ def test_a_restart_resumes_its_snapshot_of_the_table_and_another_mapping_loads(
             None,
             None,
         )
+
+
+def test_a_dropped_table_leaves_the_sidecar_serving_reads(
+    source: str, runtime_dir: str, app: Any
+) -> None:
+    create_docs(app)
+    app.execute("INSERT INTO docs (doc_id, embedding, body) VALUES (1, %s, 'kept')",
+                (vector(1).tolist(),))  # fmt: skip
+    with mirrors(source, runtime_dir, n=1) as (c,):
+        assert hit(c, vector(1)) == (1, "kept", None)
+        app.execute("DROP TABLE docs")
+        gone = r'not acknowledged.*"public.docs" does not exist\)$'  # one line: no SQL excerpt
+        with pytest.raises(kalos.KalosError, match=gone):
+            c.add(vector(2)[None], [2], ["refused"])
+        # the next change in the feed cannot be read with the table gone: the follower says
+        # so and retries, and the sidecar goes on serving reads
+        app.execute("INSERT INTO kalos_state (key, value) VALUES ('k', 'v')")
+        wait_for(lambda: c.stats()["source"]["degraded"], "degraded")
+        assert hit(c, vector(1)) == (1, "kept", None)

@@ -301,6 +301,12 @@ def _changes_query(table: MirroredTable | None) -> Any:
     )  # fmt: skip
 
 
+def _first_line(exc: BaseException) -> str:
+    """A database error's message without the statement excerpt that follows it."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
 def _psycopg() -> Any:
     try:
         import psycopg
@@ -600,20 +606,20 @@ class Source:
             # the rows do not fit the table (a constraint, a type, a range): the request's fault
             self._drop_writer(conn)
             raise InvalidRequest(
-                f"the source database refused the write: {str(exc).strip()}"
+                f"the source database refused the write: {_first_line(exc)}"
             ) from exc
         except self._psycopg.Error as exc:
             self.refused_writes += 1
             # A failed connection may be left mid-pipeline (executemany): never reuse one.
             if conn is not None:
                 if conn.closed or conn.broken:
-                    self.writer_error = str(exc).strip() or type(exc).__name__
+                    self.writer_error = _first_line(exc) or type(exc).__name__
                 with contextlib.suppress(Exception):
                     conn.close()
                 self._writer = None
             raise SourceUnavailable(
                 "the write was not acknowledged: the source database failed it "
-                f"({type(exc).__name__}: {str(exc).strip()})"
+                f"({type(exc).__name__}: {_first_line(exc)})"
             ) from exc
         self.writer_error = None
         return n, lsn
