@@ -467,3 +467,39 @@ def test_a_dropped_table_leaves_the_sidecar_serving_reads(
         app.execute("INSERT INTO kalos_state (key, value) VALUES ('k', 'v')")
         wait_for(lambda: c.stats()["source"]["degraded"], "degraded")
         assert hit(c, vector(1)) == (1, "kept", None)
+
+
+def test_kalos_serve_mirrors_a_table_or_says_why_it_cannot(
+    source: str, runtime_dir: str, app: Any, tmp_path: Any
+) -> None:
+    import subprocess
+
+    from kalos.testing import serve_command, wait_for_socket, wait_ready
+
+    create_docs(app)
+    app.execute("INSERT INTO docs (doc_id, embedding) VALUES (1, %s)", (vector(1).tolist(),))
+    source_file = tmp_path / "source"
+    source_file.write_text(source)
+
+    def serve(columns: str) -> subprocess.Popen:
+        cmd = serve_command("cli", DIM, runtime_dir, "--source-file", str(source_file),
+                            "--source-table", "public.docs", "--source-columns", columns,
+                            "--no-admin", metric="l2")  # fmt: skip
+        return subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+
+    bad = serve("id=doc_id,vector=body")
+    _, err = bad.communicate(timeout=60)
+    assert bad.returncode != 0 and "Traceback" not in err
+    assert "--source-columns vector=body: a text column; vector must be one of" in err
+    good = serve("id=doc_id,vector=embedding")
+    try:
+        from kalos.paths import socket_path
+
+        wait_for_socket(socket_path("cli", runtime_dir), good)
+        wait_ready(socket_path("cli", runtime_dir), good, timeout=30)
+        with kalos.Client("cli", runtime_dir=runtime_dir) as c:
+            assert c.stats()["source"]["table"] == "public.docs"
+            assert hit(c, vector(1)) == (1, None, None)
+    finally:
+        good.terminate()
+        good.communicate(timeout=10)
