@@ -27,6 +27,18 @@ the current row is idempotent, so a sidecar that reads a row already changed aga
 position converges as well. Rows written by any program (psql, an application's own INSERT)
 fire the same triggers and reach every sidecar.
 
+Mirroring (``table``, :mod:`kalos.server.source_table`): the memories are the rows of an
+application's own table instead of ``kalos_memories``; the same kind of triggers on it add
+changes of kind ``t`` (a row) and ``x`` (a TRUNCATE) with the table's oid, the load COPYs
+its mapped columns, and writes through the sidecar go into it. State stays in
+``kalos_state``.
+
+A rewound feed (a failover to a standby that lacked the last commits, a restore, tables made
+again) is noticed at every read of the head: another ``feed_id``, a head behind the applied
+position, or another change at that position (its ``at``) than the one applied; the
+follower then reloads. A snapshot records the ``at`` of its position's change too, and is
+not resumed when the feed holds another change there.
+
 Retention: each follower records its position in ``kalos_followers`` every second; change
 rows older than ``retention_s`` that every follower seen within ``retention_s`` has applied
 are deleted (by any follower, every few seconds). A follower gone longer than
