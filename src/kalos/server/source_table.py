@@ -151,13 +151,6 @@ class MirroredTable:
     def text_ids(self) -> bool:
         return self.types["id"] in _TEXT
 
-    @property
-    def describe(self) -> str:
-        """The table and mapping, as recorded in local snapshots: a snapshot of another
-        mapping is not resumed."""
-        roles = ",".join(f"{r}={c}" for r, c in sorted(self.columns.items()))
-        return f"{self.qualified}:{roles}"
-
     def sql(self) -> Any:
         """The table's name as a psycopg SQL object."""
         from psycopg import sql
