@@ -503,3 +503,34 @@ def test_kalos_serve_mirrors_a_table_or_says_why_it_cannot(
     finally:
         good.terminate()
         good.communicate(timeout=10)
+
+
+def test_a_start_waits_for_no_open_transaction_of_the_application(
+    source: str, runtime_dir: str, app: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Creating triggers waits for the table's open write transactions: a start does it only
+    when they are missing, and then gives up after a bound instead of stalling the writers."""
+    import psycopg
+
+    from kalos.server import Sidecar, SidecarConfig, source_table
+
+    monkeypatch.setattr(source_table, "INSTALL_LOCK_TIMEOUT_MS", 500)
+    create_docs(app)
+    with mirrors(source, runtime_dir, n=1):  # installs the triggers
+        pass
+    insert = "INSERT INTO docs (doc_id, embedding) VALUES (%s, %s)"
+    with psycopg.connect(source) as busy:  # an open write transaction on the table
+        busy.execute(insert, (1, vector(1).tolist()))
+        with mirrors(source, runtime_dir, n=1) as (c,):  # nothing to install: no wait
+            busy.commit()
+            wait_for(lambda: hit(c, vector(1)) is not None, "the committed row")
+        app.execute("DROP TRIGGER kalos_mirror_deleted ON docs")
+        busy.execute(insert, (2, vector(2).tolist()))
+        cfg = SidecarConfig(name="late", dim=DIM, metric="l2", runtime_dir=runtime_dir,
+                            source=source, source_table="docs", source_columns=COLUMNS)  # fmt: skip
+        with pytest.raises(kalos.KalosError, match=r"could not be installed within 0\.5 s"):
+            Sidecar(cfg).start()
+        busy.rollback()
+    with mirrors(source, runtime_dir, n=1) as (c,):  # once it is done, the start puts it back
+        app.execute("DELETE FROM docs WHERE doc_id = 1")
+        wait_for(lambda: c.stats()["items"] == 0, "the delete, through the trigger put back")

@@ -129,7 +129,9 @@ CREATE TABLE IF NOT EXISTS kalos_feed (
     one boolean PRIMARY KEY DEFAULT true CHECK (one),
     head bigint NOT NULL
 );
-INSERT INTO kalos_feed VALUES (true, 0) ON CONFLICT DO NOTHING;
+-- not ON CONFLICT: its check of the key would wait for any open transaction that moved the
+-- head (an application's, writing a mirrored table), and so would the start
+INSERT INTO kalos_feed (one, head) SELECT true, 0 WHERE NOT EXISTS (SELECT 1 FROM kalos_feed);
 -- drawn once, when the tables are created: a snapshot of another feed is never resumed
 -- (added only where missing: an ALTER TABLE would lock the feed against every writer)
 DO $$ BEGIN
@@ -305,7 +307,7 @@ def _changes_query(table: MirroredTable | None) -> Any:
     join = sql.SQL("c.kind = 't' AND c.rel = {oid} AND m.{id} = c.{slot}").format(
         oid=sql.Literal(table.oid),
         id=table.column("id"),
-        slot=sql.Identifier("key" if table.text_ids else "id"),
+        slot=sql.Identifier(table.slot),
     )
     return sql.SQL(_CHANGES).format(
         id=table.column("id"), memory=table.select("m"), table=table.sql(), join=join,

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from kalos.errors import ConfigError, InvalidRequest
+from kalos.errors import ConfigError, InvalidRequest, KalosError
 from kalos.filters import check_metadata, key_id
 from kalos.protocol import codes
 
@@ -40,6 +40,9 @@ SCOPE_ROLES = ("tenant", "user", "session")
 _INT_IDS = ("bigint", "integer", "smallint")
 _TEXT = ("text", "character varying")
 _ARRAYS = {"real[]": ">f4", "double precision[]": ">f8"}
+# Creating the triggers waits for the table's open write transactions, and holds up the
+# writers that come after it meanwhile: a start gives up rather than stall the application.
+INSTALL_LOCK_TIMEOUT_MS = 5000
 _TYPES: dict[str, tuple[str, ...]] = {
     "id": _INT_IDS + _TEXT,
     "vector": (*_ARRAYS, "bytea"),
@@ -181,19 +184,59 @@ class MirroredTable:
         ])  # fmt: skip
 
     def install(self, conn: Any, kalos_schema: str) -> None:
-        """Creates (or replaces) the feed's functions and the table's triggers."""
+        """Creates (or replaces) the feed's functions, and the table's triggers unless they
+        are there as they should be: creating a trigger locks the table against its writers
+        (SHARE ROW EXCLUSIVE), and waits for their open transactions, so a start does it
+        only when needed, and gives up after :data:`INSTALL_LOCK_TIMEOUT_MS`."""
+        import psycopg
         from psycopg import sql
 
         conn.execute(sql.SQL(FUNCTIONS).format(schema=sql.Identifier(kalos_schema)))
-        conn.execute(
-            sql.SQL(TRIGGERS).format(
-                table=self.sql(),
-                changed=sql.Identifier(kalos_schema, "kalos_mirror_changed"),
-                truncated=sql.Identifier(kalos_schema, "kalos_mirror_truncated"),
-                column=sql.Literal(self.columns["id"]),
-                slot=sql.Literal("key" if self.text_ids else "id"),
+        if self.installed(conn, kalos_schema):
+            return
+        conn.execute(f"SET LOCAL lock_timeout = {INSTALL_LOCK_TIMEOUT_MS}")
+        try:
+            conn.execute(
+                sql.SQL(TRIGGERS).format(
+                    table=self.sql(),
+                    changed=sql.Identifier(kalos_schema, "kalos_mirror_changed"),
+                    truncated=sql.Identifier(kalos_schema, "kalos_mirror_truncated"),
+                    column=sql.Literal(self.columns["id"]),
+                    slot=sql.Literal(self.slot),
+                )
             )
-        )
+        except psycopg.errors.LockNotAvailable:
+            raise KalosError(
+                f"the triggers on {self.qualified} could not be installed within "
+                f"{INSTALL_LOCK_TIMEOUT_MS / 1000:g} s: a transaction holds the table; start "
+                "again once it is done"
+            ) from None
+
+    @property
+    def slot(self) -> str:
+        """The column of ``kalos_changes`` that keeps a changed row's id."""
+        return "key" if self.text_ids else "id"
+
+    def installed(self, conn: Any, kalos_schema: str) -> bool:
+        """Whether the table has its four triggers, enabled, calling ``kalos_schema``'s
+        functions with this mapping's id column."""
+        changed = ("kalos_mirror_changed", (self.columns["id"], self.slot))
+        want = {
+            "kalos_mirror_inserted": changed,
+            "kalos_mirror_updated": changed,
+            "kalos_mirror_deleted": changed,
+            "kalos_mirror_truncated": ("kalos_mirror_truncated", ()),
+        }
+        have = {}
+        for name, schema, function, args, enabled in conn.execute(
+            "SELECT t.tgname, n.nspname, p.proname, t.tgargs, t.tgenabled FROM pg_trigger t "
+            "JOIN pg_proc p ON p.oid = t.tgfoid JOIN pg_namespace n ON n.oid = p.pronamespace "
+            "WHERE t.tgrelid = %s AND t.tgname LIKE 'kalos_mirror%%'",
+            (self.oid,),
+        ):
+            values = tuple(a.decode() for a in bytes(args).split(b"\0")[:-1])
+            have[str(name)] = (str(schema), (str(function), values), str(enabled))
+        return all(have.get(n) == (kalos_schema, w, "O") for n, w in want.items())
 
     # -- writes through a sidecar ----------------------------------------------------------------
 
