@@ -198,6 +198,33 @@ def test_a_new_sidecar_loads_the_tables_then_follows(source: str, runtime_dir: s
             wait_for(lambda: find(c, 999) == "after", "a write after the load")
 
 
+def test_a_start_waits_for_no_open_transaction_on_the_tables(source: str, runtime_dir: str) -> None:
+    import psycopg
+
+    from kalos.server import Sidecar, SidecarConfig
+
+    with replicas(source, runtime_dir, n=1) as (first,), psycopg.connect(source) as busy:
+        first.add(vector(1)[None], [1], ["committed"])
+        busy.execute("INSERT INTO kalos_memories (id, vector) VALUES (2, %s)",
+                     (vector(2).tobytes(),))  # fmt: skip
+        busy.execute("INSERT INTO kalos_state (key, value) VALUES ('open', 'x')")
+        cfg = SidecarConfig(name="late", dim=DIM, metric="l2", runtime_dir=runtime_dir,
+                            source=source)  # fmt: skip
+        late = Sidecar(cfg)
+        starting = threading.Thread(target=late.start)
+        starting.start()
+        starting.join(20)
+        started = not starting.is_alive()
+        busy.rollback()  # lets a start that waited go on, so that it can be stopped
+        starting.join()
+        try:
+            assert started, "the start waited for the open transaction"
+            with kalos.Client("late", runtime_dir=runtime_dir) as c:
+                assert find(c, 1) == "committed" and find(c, 2) is None
+        finally:
+            late.stop()
+
+
 def test_unreachable_database_reads_served_writes_refused(
     pg: PostgresServer, source: str, runtime_dir: str
 ) -> None:

@@ -245,24 +245,46 @@ BEGIN
     PERFORM pg_notify('kalos_changes', '');
     RETURN NULL;
 END $$;
-CREATE OR REPLACE TRIGGER kalos_memories_inserted AFTER INSERT ON kalos_memories
-    REFERENCING NEW TABLE AS new_rows
-    FOR EACH STATEMENT EXECUTE FUNCTION kalos_memories_changed();
-CREATE OR REPLACE TRIGGER kalos_memories_updated AFTER UPDATE ON kalos_memories
-    REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows
-    FOR EACH STATEMENT EXECUTE FUNCTION kalos_memories_changed();
-CREATE OR REPLACE TRIGGER kalos_memories_deleted AFTER DELETE ON kalos_memories
-    REFERENCING OLD TABLE AS old_rows
-    FOR EACH STATEMENT EXECUTE FUNCTION kalos_memories_changed();
-CREATE OR REPLACE TRIGGER kalos_state_inserted AFTER INSERT ON kalos_state
-    REFERENCING NEW TABLE AS new_rows
-    FOR EACH STATEMENT EXECUTE FUNCTION kalos_state_changed();
-CREATE OR REPLACE TRIGGER kalos_state_updated AFTER UPDATE ON kalos_state
-    REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows
-    FOR EACH STATEMENT EXECUTE FUNCTION kalos_state_changed();
-CREATE OR REPLACE TRIGGER kalos_state_deleted AFTER DELETE ON kalos_state
-    REFERENCING OLD TABLE AS old_rows
-    FOR EACH STATEMENT EXECUTE FUNCTION kalos_state_changed();
+-- Made only where missing: creating a trigger waits for the table's open write transactions
+-- (and holds up the writers after it meanwhile), which a start after the first never does.
+DO $$ BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = 'kalos_memories'::regclass
+                   AND tgname = 'kalos_memories_inserted') THEN
+        CREATE TRIGGER kalos_memories_inserted AFTER INSERT ON kalos_memories
+            REFERENCING NEW TABLE AS new_rows
+            FOR EACH STATEMENT EXECUTE FUNCTION kalos_memories_changed();
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = 'kalos_memories'::regclass
+                   AND tgname = 'kalos_memories_updated') THEN
+        CREATE TRIGGER kalos_memories_updated AFTER UPDATE ON kalos_memories
+            REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows
+            FOR EACH STATEMENT EXECUTE FUNCTION kalos_memories_changed();
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = 'kalos_memories'::regclass
+                   AND tgname = 'kalos_memories_deleted') THEN
+        CREATE TRIGGER kalos_memories_deleted AFTER DELETE ON kalos_memories
+            REFERENCING OLD TABLE AS old_rows
+            FOR EACH STATEMENT EXECUTE FUNCTION kalos_memories_changed();
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = 'kalos_state'::regclass
+                   AND tgname = 'kalos_state_inserted') THEN
+        CREATE TRIGGER kalos_state_inserted AFTER INSERT ON kalos_state
+            REFERENCING NEW TABLE AS new_rows
+            FOR EACH STATEMENT EXECUTE FUNCTION kalos_state_changed();
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = 'kalos_state'::regclass
+                   AND tgname = 'kalos_state_updated') THEN
+        CREATE TRIGGER kalos_state_updated AFTER UPDATE ON kalos_state
+            REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows
+            FOR EACH STATEMENT EXECUTE FUNCTION kalos_state_changed();
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = 'kalos_state'::regclass
+                   AND tgname = 'kalos_state_deleted') THEN
+        CREATE TRIGGER kalos_state_deleted AFTER DELETE ON kalos_state
+            REFERENCING OLD TABLE AS old_rows
+            FOR EACH STATEMENT EXECUTE FUNCTION kalos_state_changed();
+    END IF;
+END $$;
 """
 
 # A memory row, in the order Source._add reads (MirroredTable.select gives the same)
