@@ -1,0 +1,192 @@
+"""The inverted-file indexes (``cpu:ivf``, and ``cuda:ivf`` on torch CPU tensors): recall
+against the exact top-k, every list probed is exact, training and retraining, writes after
+training, filters that widen the probe, per-request nprobe, and bad specs and knobs.
+
+The contract every backend keeps (with every list probed) is in test_conformance.py."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+from kalos.errors import ConfigError, InvalidRequest
+from kalos.index import create
+from kalos.index.cpu_ivf import RETRAIN_GROWTH, train_size
+
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+KINDS = [pytest.param("cpu", id="cpu")]
+DIM = 32
+
+
+def ivf(kind: str, options: str, metric: str = "ip"):
+    """A cpu:ivf index, or a cuda:ivf one whose tensors live on torch's CPU device."""
+    if kind == "cpu":
+        return create(f"cpu:ivf,{options}", dim=DIM, metric=metric)
+    from kalos.index.cuda_ivf import CudaIvfIndex
+
+    return CudaIvfIndex(f"cuda:ivf,{options}", dim=DIM, metric=metric, device="cpu")
+
+
+def clustered(n: int, seed: int = 7, clusters: int = 40) -> np.ndarray:
+    """n unit rows around ``clusters`` centres (structure an IVF can exploit)."""
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((clusters, DIM)).astype(np.float32)
+    x = centres[rng.integers(0, clusters, n)] + 0.35 * rng.standard_normal((n, DIM))
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+def recall(got: np.ndarray, want: np.ndarray) -> float:
+    hits = [len(set(g.tolist()) & set(w.tolist())) for g, w in zip(got, want, strict=True)]
+    return sum(hits) / want.size
+
+
+@pytest.fixture(params=["ip", "cosine", "l2"])
+def metric(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_recall_against_exact_and_every_list_is_exact(kind: str, metric: str) -> None:
+    x = clustered(6000)
+    ids = np.arange(6000, dtype=np.int64) * 3 + 1
+    index = ivf(kind, "nlist=32,nprobe=8", metric)
+    exact = create("cpu:flat", dim=DIM, metric=metric)
+    index.add(x, ids)
+    exact.add(x, ids)
+    assert index.is_trained
+    q = clustered(64, seed=8)
+    want_scores, want = exact.search(q, 10)
+    assert recall(index.search(q, 10)[1], want) >= 0.9
+    assert recall(index.search(q, 10, nprobe=1)[1], want) < recall(index.search(q, 10)[1], want)
+    scores, got = index.search(q, 10, nprobe=32)
+    assert recall(got, want) == 1.0
+    np.testing.assert_allclose(scores, want_scores, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_exact_before_training_then_trains_at_the_threshold(kind: str) -> None:
+    index = ivf(kind, "nlist=8,nprobe=1")
+    exact = create("cpu:flat", dim=DIM)
+    x = clustered(train_size(8))
+    ids = np.arange(len(x), dtype=np.int64)
+    index.add(x[:-1], ids[:-1])
+    exact.add(x[:-1], ids[:-1])
+    assert not index.is_trained
+    q = clustered(20, seed=9)
+    assert recall(index.search(q, 10, nprobe=1)[1], exact.search(q, 10)[1]) == 1.0
+    index.add(x[-1:], ids[-1:])
+    assert index.is_trained and index.trained_rows == len(x)
+    assert int(index.list_sizes().sum()) == len(x)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_retrains_after_growing_four_times(kind: str) -> None:
+    index = ivf(kind, "nlist=4")
+    first = train_size(4)
+    x = clustered(RETRAIN_GROWTH * first + 10)
+    index.add(x[:first], np.arange(first))
+    assert index.trained_rows == first and index.trainings == 1
+    index.add(x[first:-10], np.arange(first, len(x) - 10))
+    assert index.trainings == 2 and index.trained_rows == RETRAIN_GROWTH * first
+    index.add(x[-10:], np.arange(len(x) - 10, len(x)))
+    assert index.trainings == 2
+    index.train()
+    assert index.trainings == 3 and int(index.list_sizes().sum()) == len(x)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_writes_after_training_agree_with_an_exact_index(kind: str, metric: str) -> None:
+    """Adds, upserts and removes after training, with every list probed: the exact answer,
+    and the lists hold exactly the live rows."""
+    rng = np.random.default_rng(11)
+    index = ivf(kind, "nlist=8,nprobe=8", metric)
+    exact = create("cpu:flat", dim=DIM, metric=metric)
+    x = clustered(1200)
+    ids = rng.permutation(5000)[:1200].astype(np.int64)
+    index.add(x[:400], ids[:400])
+    exact.add(x[:400], ids[:400])
+    assert index.is_trained
+    for step in range(12):
+        op = step % 3
+        if op == 0:  # new rows and upserts of old ones (new vectors), one batch
+            pick = np.concatenate([ids[400 + 60 * step : 460 + 60 * step], ids[:400][::37]])
+            vec = clustered(len(pick), seed=100 + step)
+            index.add(vec, pick)
+            exact.add(vec, pick)
+        else:
+            gone = rng.choice(exact.dump()[0], 25, replace=False)
+            gone = np.concatenate([gone, [999_999]])  # and an unknown id
+            assert index.remove(gone) == exact.remove(gone) == 25
+        assert len(index) == len(exact)
+        assert int(index.list_sizes().sum()) == len(index)
+        q = clustered(8, seed=200 + step)
+        want_scores, want = exact.search(q, 10)
+        scores, got = index.search(q, 10)
+        assert recall(got, want) == 1.0
+        np.testing.assert_allclose(scores, want_scores, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_filters_widen_the_probe_until_k_rows_match(kind: str) -> None:
+    x = clustered(4000)
+    ids = np.arange(4000, dtype=np.int64)
+    scopes = np.zeros((4000, 3), np.int64)
+    scopes[:, 0] = 1
+    rare = np.random.default_rng(3).choice(4000, 15, replace=False)
+    scopes[rare, 0] = 2
+    index = ivf(kind, "nlist=32,nprobe=1")
+    index.add(x, ids, scopes)
+    q = clustered(4, seed=12)
+    # 15 rows in tenant 2, spread over many lists: all of them come back, best first
+    scores, got = index.search(q, 10, scope=(2, 0, 0))
+    assert (got >= 0).all() and set(got.ravel().tolist()) <= set(rare.tolist())
+    exact = create("cpu:flat", dim=DIM)
+    exact.add(x, ids, scopes)
+    assert recall(got, exact.search(q, 10, scope=(2, 0, 0))[1]) == 1.0
+    # allow: 12 ids, k = 20: the 12 (widened to every list), then -1
+    allow = rare[:12]
+    scores, got = index.search(q, 20, allow=allow)
+    assert all(set(row[:12].tolist()) == set(allow.tolist()) for row in got)
+    assert (got[:, 12:] == -1).all() and np.isneginf(scores[:, 12:]).all()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_per_request_nprobe_and_bad_values(kind: str) -> None:
+    index = ivf(kind, "nlist=16,nprobe=2")
+    x = clustered(2000)
+    index.add(x, np.arange(2000))
+    q = clustered(16, seed=13)
+    exact = create("cpu:flat", dim=DIM)
+    exact.add(x, np.arange(2000))
+    want = exact.search(q, 10)[1]
+    assert recall(index.search(q, 10, nprobe=16)[1], want) == 1.0
+    assert recall(index.search(q, 10, nprobe=10_000)[1], want) == 1.0  # above nlist: all
+    np.testing.assert_array_equal(index.search(q, 10, nprobe=0)[1], index.search(q, 10)[1])
+    many = index.search_many([(q[:3], 10, None), (q[3:], 5, None)], nprobe=16)
+    assert recall(many[0][1], want[:3]) == 1.0 and many[1][1].shape == (13, 5)
+    for bad in (-1, 1.5, True, "4", None):
+        with pytest.raises(InvalidRequest, match="nprobe"):
+            index.search(q, 10, nprobe=bad)
+    with pytest.raises(InvalidRequest, match="at least as many rows"):
+        ivf(kind, "nlist=16").train()
+
+
+@pytest.mark.parametrize("head", ["cpu:ivf"])
+@pytest.mark.parametrize(
+    "options",
+    ["", ",nprobe=4", ",nlist=0", ",nlist=x", ",nlist=-2", ",nlist=4,nlist=8", ",nlist=4,fp16",
+     ",nlist=4,nprobe=0", ",nlist=4,seed=1"],
+)  # fmt: skip
+def test_bad_specs_raise_config_error(head: str, options: str) -> None:
+    if head.startswith("cuda") and not HAS_TORCH:
+        pytest.skip("torch")
+    with pytest.raises(ConfigError, match="nlist"):  # about the options, checked first
+        create(head + options, dim=DIM)
+
+
+def test_the_spec_nprobe_is_capped_at_nlist() -> None:
+    index = create("cpu:ivf,nlist=4,nprobe=64", dim=DIM)
+    assert (index.nlist, index.nprobe) == (4, 4)
+    assert create("cpu:ivf,nlist=256", dim=DIM).nprobe == 16
