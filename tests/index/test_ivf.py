@@ -212,3 +212,23 @@ def test_cuda_ivf_keeps_the_index_contract_on_torch_cpu(monkeypatch) -> None:
 
     monkeypatch.setattr(cuda_ivf, "parse_spec", lambda spec, device_index: "cpu")
     check_index("cuda:ivf,nlist=4,nprobe=4", rtol=2e-3)
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="torch")
+def test_cuda_ivf_buffer_is_searched_and_merged(metric: str) -> None:
+    """Rows added after training wait in an unsorted buffer that every search scores;
+    flush (or growth) merges them into the sorted lists, removed rows dropped on the way."""
+    index = ivf("cuda", "nlist=8,nprobe=8", metric)
+    x = clustered(600)
+    index.add(x[:400], np.arange(400))
+    assert index.is_trained and index._buf.n == 0
+    index.add(x[400:], np.arange(400, 600))
+    index.remove(np.arange(0, 600, 7))
+    assert index._buf.n == 200 and len(index) == 600 - len(range(0, 600, 7))
+    q = clustered(6, seed=21)
+    before = index.search(q, 10)
+    assert_exact(index, q, before, 10)
+    index.flush()
+    assert index._buf.n == 0 and index._main.n == len(index)
+    assert int(index.list_sizes().sum()) == len(index)
+    assert_exact(index, q, index.search(q, 10), 10)

@@ -341,6 +341,12 @@ class CudaIvfIndex:
         self._buf = _Part.empty(torch, self.device, self.dim)
         self._buf_lists = torch.empty(0, dtype=torch.int64, device=self.device)
 
+    def flush(self) -> None:
+        """Merge the buffer (rows added since the last merge) into the rows sorted by list
+        now, so that searches score no unsorted rows; a bulk load calls it at its end."""
+        if self._centroids is not None and self._buf.n:
+            self._merge()
+
     def _assign_rows(self, part: _Part, pos: Any, spherical: bool) -> Any:
         """The list [m] of a part's rows at positions pos [m], a chunk at a time (no copy of
         every row at once)."""
@@ -542,17 +548,22 @@ class CudaIvfIndex:
         return _pad(torch, torch.cat(keys_out), torch.cat(ids_out), k)
 
     def _scan(self, q: Any, k: int, part: _Part, ok: Any) -> tuple[Any, Any]:
-        """The exact top-k [nq, k] (ranking key, ids) of a part's rows allowed by ok."""
+        """The top-k [nq, k] (ranking key, ids) of a part's rows allowed by ok: every row by
+        the first pass (one matmul in the coarse dtype), the best re-scored in fp32."""
         torch = self._torch
         n = part.n
-        x = part.vecs[:n].float()  # [n, dim]
-        keys = q @ x.T  # [nq, n]
+        coarse = (part.vecs[:n].to(self._coarse) @ q.to(self._coarse).T).T.float()  # [nq, n]
         if self.metric == "l2":
-            keys = keys - 0.5 * part.sq[:n]
-        keys = keys.masked_fill(~ok[None, :], -math.inf)
-        kk = min(k, n)
-        best, pos = torch.topk(keys, kk, dim=1)
-        return _pad(torch, best, part.ids[pos], k)
+            coarse = coarse - 0.5 * part.sq[:n]
+        coarse = coarse.masked_fill(~ok[None, :], -math.inf)
+        keep = min(n, max(RERANK_MIN, RERANK_FACTOR * k))
+        cand_keys, cand = torch.topk(coarse, keep, dim=1)  # [nq, keep]
+        keys = (part.vecs[cand].float() @ q[:, :, None]).squeeze(2)  # exact fp32
+        if self.metric == "l2":
+            keys = keys - 0.5 * part.sq[cand]
+        keys = keys.masked_fill(torch.isinf(cand_keys), -math.inf)
+        best, pos = torch.topk(keys, min(k, keep), dim=1)
+        return _pad(torch, best, part.ids[cand.gather(1, pos)], k)
 
     def _keys(self, q: Any, rows: Any, dtype: Any) -> Any:
         """Ranking keys [b, w] fp32 of queries q [b, dim] against main rows [b, w], their

@@ -386,6 +386,10 @@ class Sidecar:
         try:
             with self.lock:
                 load_into(self.memories, files)
+                # an index with unsorted rows pending (cuda:ivf's buffer) sorts them now
+                flush = getattr(self.memories.index, "flush", None)
+                if flush is not None:
+                    flush()
         except BaseException:
             if self.grpc is not None:
                 self.grpc.close()
