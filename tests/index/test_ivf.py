@@ -232,3 +232,32 @@ def test_cuda_ivf_buffer_is_searched_and_merged(metric: str) -> None:
     assert index._buf.n == 0 and index._main.n == len(index)
     assert int(index.list_sizes().sum()) == len(index)
     assert_exact(index, q, index.search(q, 10), 10)
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="torch")
+@pytest.mark.parametrize("first_pass", ["float16", "float32"])
+def test_cuda_ivf_one_query_and_a_batch_agree_and_the_first_pass_is_reranked(
+    metric: str, first_pass: str
+) -> None:
+    """A single query takes its own path (no padding mask); a batch pads each query's rows.
+    Both agree, and with every list probed both are exact, whichever dtype the first pass
+    ranks in (fp16 on a GPU: the best 64 re-scored in fp32)."""
+    import torch
+
+    index = ivf("cuda", "nlist=16,nprobe=3", metric)
+    index._coarse = getattr(torch, first_pass)
+    x = clustered(3000)
+    index.add(x, np.arange(3000))
+    index.remove(np.arange(0, 3000, 11))  # removed rows in the sorted lists: masked
+    q = clustered(7, seed=31)
+    batch = index.search(q, 10)
+    for i in range(len(q)):
+        one = index.search(q[i], 10)
+        np.testing.assert_array_equal(one[1][0], batch[1][i])
+        np.testing.assert_allclose(one[0][0], batch[0][i], rtol=1e-5)
+    for i in range(len(q)):
+        assert_exact(index, q[i : i + 1], index.search(q[i], 10, nprobe=16), 10)
+    assert_exact(index, q, index.search(q, 10, nprobe=16), 10)
+    index.flush()  # merged: no removed rows left, the probe needs no mask
+    assert index._main_dead == 0
+    assert_exact(index, q[:1], index.search(q[0], 10, nprobe=16), 10)

@@ -17,7 +17,8 @@ Storage (device tensors):
   list on the device, dropping removed rows) once it holds more than
   ``max(MERGE_MIN_ROWS, rows / MERGE_SHARE)``, and at every training.
 
-A removal (or the old version of an upserted id) only clears ``live``; the merge drops it.
+A removal (or the old version of an upserted id) only clears ``live``; the merge drops it (a
+merge also follows once the removed rows among the sorted ones pass the same share).
 Ids are found by a binary search in each part's ids sorted on the device, so no host map per
 row exists (100M rows cost no host memory beyond the adds in flight).
 
@@ -183,6 +184,9 @@ class CudaIvfIndex:
         self._half_c: Any = None  # [nlist] fp32, |c|^2 / 2 (l2)
         self._offsets: Any = torch.zeros(self.nlist + 1, dtype=torch.int64, device=dev)
         self._sizes = np.zeros(self.nlist, dtype=np.int64)  # host copy of the lists' sizes
+        self._sizes_t: Any = torch.zeros(self.nlist, dtype=torch.int64, device=dev)
+        self._main_dead = 0  # main rows removed since the last merge (live False)
+        self._max_norm = 0.0  # the largest stored row's norm (fp16 products' range)
         self._main = _Part.empty(torch, dev, dim)
         self._buf = _Part.empty(torch, dev, dim)
         self._buf_lists: Any = torch.empty(0, dtype=torch.int64, device=dev)  # [cap]
@@ -245,6 +249,9 @@ class CudaIvfIndex:
         keys_t = torch.from_numpy(keys).to(self.device)
         replaced = self._kill(keys_t)
         x = torch.from_numpy(vecs).to(self.device).to(torch.float16)
+        self._max_norm = max(
+            self._max_norm, float(np.sqrt(np.einsum("ij,ij->i", vecs, vecs).max()))
+        )
         lists = None
         if self._centroids is not None:
             lists = assign_lists(x, self._centroids, self.metric != "l2")
@@ -273,16 +280,21 @@ class CudaIvfIndex:
             return 0
         removed = self._kill(self._torch.from_numpy(keys).to(self.device))
         self._n -= removed
+        dead_share = self._main_dead > max(MERGE_MIN_ROWS, self._main.n // MERGE_SHARE)
+        if self._centroids is not None and dead_share:
+            self._merge()  # removed rows would cost every probe of their lists
         return removed
 
     def _kill(self, keys: Any) -> int:
         """Clear ``live`` of the rows holding ids keys [m] (unique); returns how many."""
         hits = 0
         for part in (self._main, self._buf):
-            pos = part.find(keys)
+            pos = part.find(keys)  # live rows only
             if pos.numel():
-                hits += int(part.live[pos].sum())
+                hits += int(pos.numel())
                 part.live[pos] = False
+                if part is self._main:
+                    self._main_dead += int(pos.numel())
         return hits
 
     def train(self) -> None:
@@ -337,14 +349,17 @@ class CudaIvfIndex:
         counts = torch.bincount(every, minlength=self.nlist)
         self._offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
         self._sizes = counts.cpu().numpy().astype(np.int64)
+        self._sizes_t = counts
+        self._main_dead = 0
         self._main = merged
         self._buf = _Part.empty(torch, self.device, self.dim)
         self._buf_lists = torch.empty(0, dtype=torch.int64, device=self.device)
 
     def flush(self) -> None:
         """Merge the buffer (rows added since the last merge) into the rows sorted by list
-        now, so that searches score no unsorted rows; a bulk load calls it at its end."""
-        if self._centroids is not None and self._buf.n:
+        now, dropping removed rows, so that searches score no unsorted or removed rows; a bulk
+        load calls it at its end."""
+        if self._centroids is not None and (self._buf.n or self._main_dead):
             self._merge()
 
     def _assign_rows(self, part: _Part, pos: Any, spherical: bool) -> Any:
@@ -424,9 +439,12 @@ class CudaIvfIndex:
             return out_s, out_i
         kk = min(k, matched)
         qt = self._torch.from_numpy(q).to(self.device)
+        # fp16 first-pass products unless they could leave fp16's range (large vectors, ip/l2)
+        qmax = float(np.sqrt(np.einsum("ij,ij->i", q, q).max()))
+        coarse = self._coarse if qmax * self._max_norm < _FP16_MAX / 2 else self._torch.float32
         pending = np.arange(nq)
         while pending.size:
-            scores, ids = self._search_device(qt[pending], kk, ok_main, ok_buf, probes)
+            scores, ids = self._search_device(qt[pending], kk, ok_main, ok_buf, probes, coarse)
             out_s[pending, :kk] = scores
             out_i[pending, :kk] = ids
             # a query whose probed rows matched fewer than k widens its probe (module doc)
@@ -466,7 +484,8 @@ class CudaIvfIndex:
         return min(self.nprobe if probes == 0 else probes, self.nlist)
 
     def _row_masks(self, filt: tuple[int, int, int] | None, allow: Any) -> tuple[Any, Any, int]:
-        """(main rows a search may return [N] bool, buffer rows [B] bool, how many in all)."""
+        """(main rows a search may return [N] bool, or None for every one; buffer rows [B]
+        bool; how many in all)."""
         masks = []
         wanted = None
         if allow is not None:
@@ -482,11 +501,12 @@ class CudaIvfIndex:
                 ok = ok & hit
             masks.append(ok)
         if filt is None and allow is None:
-            return masks[0], masks[1], self._n
+            # every main row live: the probe needs no mask (a gather and a fill saved)
+            return None if self._main_dead == 0 else masks[0], masks[1], self._n
         return masks[0], masks[1], int(masks[0].sum()) + int(masks[1].sum())
 
     def _search_device(
-        self, q: Any, k: int, ok_main: Any, ok_buf: Any, probes: int
+        self, q: Any, k: int, ok_main: Any, ok_buf: Any, probes: int, coarse: Any
     ) -> tuple[np.ndarray, np.ndarray]:
         """Queries q [nq, dim] fp32 on the device -> host (scores [nq, k], ids [nq, k]), k <=
         the rows allowed; -1 where the probed rows allowed fewer."""
@@ -494,12 +514,13 @@ class CudaIvfIndex:
         nq = q.shape[0]
         parts = []
         if self._centroids is not None and self._main.n:
-            parts.append(self._probe(q, k, ok_main, probes))
+            parts.append(self._probe(q, k, ok_main, probes, coarse))
         if self._buf.n:
-            parts.append(self._scan(q, k, self._buf, ok_buf))
-        scores = torch.cat([p[0] for p in parts], dim=1)  # [nq, <= 2k]
-        ids = torch.cat([p[1] for p in parts], dim=1)
+            parts.append(self._scan(q, k, self._buf, ok_buf, coarse))
+        scores, ids = parts[0]
         if len(parts) > 1:
+            scores = torch.cat([p[0] for p in parts], dim=1)  # [nq, 2k]
+            ids = torch.cat([p[1] for p in parts], dim=1)
             best = torch.topk(scores, k, dim=1).indices
             scores, ids = scores.gather(1, best), ids.gather(1, best)
         found = torch.isfinite(scores)
@@ -510,49 +531,65 @@ class CudaIvfIndex:
             out_s, out_i = self._exact_l2(q, out_s, out_i)
         return out_s[:nq], out_i[:nq]
 
-    def _probe(self, q: Any, k: int, ok: Any, probes: int) -> tuple[Any, Any]:
-        """The top-k [nq, k] (ranking key, ids; -inf where missing) of the probed lists."""
+    def _probe(self, q: Any, k: int, ok: Any, probes: int, coarse: Any) -> tuple[Any, Any]:
+        """The top-k [nq, k] (ranking key, ids; -inf where missing) of the probed lists' rows
+        allowed by ok [N] bool (None: every row). ``coarse``: the first pass's dtype."""
         torch = self._torch
         cscores = q @ self._centroids.T  # [nq, nlist]
         if self._half_c is not None:
             cscores -= self._half_c
         lists = torch.topk(cscores, probes, dim=1).indices  # [nq, P]
         starts = self._offsets[lists]  # [nq, P]
-        lens = self._offsets[lists + 1] - starts
+        lens = self._sizes_t[lists]
         ends = lens.cumsum(dim=1)  # [nq, P]: each probed list's end in the query's rows
-        width = max(1, int(ends[:, -1].max()))  # the one host sync: the widest query's rows
-        # rows [nq, width]: position j of query i lies in its probed list s = the first
-        # whose end exceeds j, at row starts[s] + j - (ends[s] - lens[s])
+        # row j of query i's probed rows lies in its probed list s = the first whose end
+        # exceeds j, at row base[s] + j, base = starts - (ends - lens)
+        base = starts - (ends - lens)
+        width = int(ends[:, -1].max())  # the one host sync: the widest query's rows
+        if width == 0:
+            return _pad(torch, cscores[:, :0], lists[:, :0], k)
+        if q.shape[0] == 1:  # one query: its rows exactly fill the width, no padding mask
+            j = torch.arange(width, device=self.device)
+            slot = torch.searchsorted(ends[0], j, right=True)
+            rows = (base[0][slot] + j)[None, :]  # [1, width]
+            return self._rank(q, k, rows, None if ok is None else ok[rows], coarse)
         chunk = max(1, SCORE_BLOCK_BYTES // (width * (2 * self.dim + 48)))
         keys_out, ids_out = [], []
         for lo in range(0, q.shape[0], chunk):
-            e, s, ln = ends[lo : lo + chunk], starts[lo : lo + chunk], lens[lo : lo + chunk]
+            e, b = ends[lo : lo + chunk], base[lo : lo + chunk]
             j = torch.arange(width, device=self.device).expand(e.shape[0], width).contiguous()
             slot = torch.searchsorted(e, j, right=True).clamp_(max=probes - 1)
-            rows = s.gather(1, slot) + j - (e.gather(1, slot) - ln.gather(1, slot))
-            valid = j < e[:, -1:]
-            rows = torch.where(valid, rows, torch.zeros_like(rows))
-            valid &= ok[rows]
-            qc = q[lo : lo + chunk]
-            coarse = self._keys(qc, rows, self._coarse)  # [b, width]
-            coarse = coarse.masked_fill(~valid, -math.inf)
-            # the best RERANK_FACTOR * k by the coarse (fp16 on a GPU) keys, then exact fp32
-            keep = min(width, max(RERANK_MIN, RERANK_FACTOR * k))
-            cand_keys, cand = torch.topk(coarse, keep, dim=1)
-            cand_rows = rows.gather(1, cand)
-            keys = self._keys(qc, cand_rows, torch.float32)
-            keys = keys.masked_fill(torch.isinf(cand_keys), -math.inf)
-            best, pos = torch.topk(keys, min(k, keep), dim=1)
+            valid = j < e[:, -1:]  # [b, width]: beyond a query's own rows: padding
+            rows = torch.where(valid, b.gather(1, slot) + j, torch.zeros_like(j))
+            if ok is not None:
+                valid &= ok[rows]
+            best, ids = self._rank(q[lo : lo + chunk], k, rows, valid, coarse)
             keys_out.append(best)
-            ids_out.append(self._main.ids[cand_rows.gather(1, pos)])
-        return _pad(torch, torch.cat(keys_out), torch.cat(ids_out), k)
+            ids_out.append(ids)
+        return torch.cat(keys_out), torch.cat(ids_out)
 
-    def _scan(self, q: Any, k: int, part: _Part, ok: Any) -> tuple[Any, Any]:
+    def _rank(self, q: Any, k: int, rows: Any, valid: Any, coarse: Any) -> tuple[Any, Any]:
+        """The top-k [b, k] (key, id) of main rows [b, w] (valid [b, w] bool, None: all):
+        every row by the first pass in ``coarse``, the best max(RERANK_MIN, RERANK_FACTOR *
+        k) of them re-scored in fp32."""
+        torch = self._torch
+        keys = self._keys(q, rows, coarse)  # [b, w]
+        if valid is not None:
+            keys = keys.masked_fill(~valid, -math.inf)
+        keep = min(rows.shape[1], max(RERANK_MIN, RERANK_FACTOR * k))
+        cand_keys, cand = torch.topk(keys, keep, dim=1)
+        cand_rows = rows.gather(1, cand)
+        exact = self._keys(q, cand_rows, torch.float32)
+        exact = exact.masked_fill(cand_keys == -math.inf, -math.inf)
+        best, pos = torch.topk(exact, min(k, keep), dim=1)
+        return _pad(torch, best, self._main.ids[cand_rows.gather(1, pos)], k)
+
+    def _scan(self, q: Any, k: int, part: _Part, ok: Any, dtype: Any) -> tuple[Any, Any]:
         """The top-k [nq, k] (ranking key, ids) of a part's rows allowed by ok: every row by
-        the first pass (one matmul in the coarse dtype), the best re-scored in fp32."""
+        the first pass (one matmul in ``dtype``), the best re-scored in fp32."""
         torch = self._torch
         n = part.n
-        coarse = (part.vecs[:n].to(self._coarse) @ q.to(self._coarse).T).T.float()  # [nq, n]
+        coarse = (part.vecs[:n].to(dtype) @ q.to(dtype).T).T.float()  # [nq, n]
         if self.metric == "l2":
             coarse = coarse - 0.5 * part.sq[:n]
         coarse = coarse.masked_fill(~ok[None, :], -math.inf)
@@ -561,7 +598,7 @@ class CudaIvfIndex:
         keys = (part.vecs[cand].float() @ q[:, :, None]).squeeze(2)  # exact fp32
         if self.metric == "l2":
             keys = keys - 0.5 * part.sq[cand]
-        keys = keys.masked_fill(torch.isinf(cand_keys), -math.inf)
+        keys = keys.masked_fill(cand_keys == -math.inf, -math.inf)
         best, pos = torch.topk(keys, min(k, keep), dim=1)
         return _pad(torch, best, part.ids[cand.gather(1, pos)], k)
 
