@@ -261,3 +261,26 @@ def test_cuda_ivf_one_query_and_a_batch_agree_and_the_first_pass_is_reranked(
     index.flush()  # merged: no removed rows left, the probe needs no mask
     assert index._main_dead == 0
     assert_exact(index, q[:1], index.search(q[0], 10, nprobe=16), 10)
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="torch")
+def test_cuda_ivf_merges_on_the_first_search_past_the_share(monkeypatch) -> None:
+    """Adds never merge (a bulk load of many adds pays one merge); the first search that
+    finds the buffer, or the removed sorted rows, past 1/16 of the index merges them."""
+    import kalos.index.cuda_ivf as cuda_ivf
+
+    monkeypatch.setattr(cuda_ivf, "MERGE_MIN_ROWS", 8)
+    index = ivf("cuda", "nlist=8,nprobe=8")
+    x = clustered(1000)
+    index.add(x[:400], np.arange(400))  # trains at 312 rows: everything sorted
+    for lo in range(400, 1000, 100):
+        index.add(x[lo : lo + 100], np.arange(lo, lo + 100))
+    assert index._buf.n == 600 and index._main.n == 400
+    q = clustered(3, seed=41)
+    result = index.search(q, 10)
+    assert index._buf.n == 0 and index._main.n == 1000
+    assert_exact(index, q, result, 10)
+    index.remove(np.arange(0, 1000, 10))  # 100 removed sorted rows > 900 / 16
+    assert index._main_dead == 100
+    assert_exact(index, q, index.search(q, 10), 10)
+    assert index._main_dead == 0 and index._main.n == 900

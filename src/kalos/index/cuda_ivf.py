@@ -13,12 +13,13 @@ Storage (device tensors):
   ``ids [N]`` int64, ``scopes [3, N]`` int64, ``sq [N]`` fp32 (``|x|^2`` of the stored row, for
   l2), ``live [N]`` bool; list ``l`` is rows ``offsets[l]:offsets[l+1]``;
 - the **buffer**: rows added since the last merge, unsorted, each with its list (or -1 before
-  training), scored exactly by every search. It is merged into the main rows (one sort by
-  list on the device, dropping removed rows) once it holds more than
-  ``max(MERGE_MIN_ROWS, rows / MERGE_SHARE)``, and at every training.
+  training), scanned by every search. It is merged into the main rows (one sort by list on
+  the device, dropping removed rows) at every training, by :meth:`CudaIvfIndex.flush`, and
+  by the first search that finds it holding more than ``max(MERGE_MIN_ROWS, rows /
+  MERGE_SHARE)`` rows: a bulk load of many adds pays for one merge, not one per add.
 
 A removal (or the old version of an upserted id) only clears ``live``; the merge drops it (a
-merge also follows once the removed rows among the sorted ones pass the same share).
+search also merges once the removed rows among the sorted ones pass the same share).
 Ids are found by a binary search in each part's ids sorted on the device, so no host map per
 row exists (100M rows cost no host memory beyond the adds in flight).
 
@@ -67,8 +68,9 @@ from .cpu_ivf import (
 
 _FP16_MAX = 65504.0
 MERGE_MIN_ROWS = 1 << 16
-"""The buffer is merged into the sorted rows once it holds more than this many rows and more
-than 1/MERGE_SHARE of the index (its exact scan stays a small part of a search)."""
+"""A search merges the buffer into the sorted rows once it holds more than this many rows and
+more than 1/MERGE_SHARE of the index (its scan stays a small part of a search); the same for
+removed rows still among the sorted ones."""
 MERGE_SHARE = 16
 RERANK_FACTOR = 4
 RERANK_MIN = 64
@@ -243,7 +245,7 @@ class CudaIvfIndex:
         m = keys.shape[0]
         if m == 0:
             return
-        if np.abs(vecs).max() > _FP16_MAX:
+        if max(float(vecs.max()), -float(vecs.min())) > _FP16_MAX:  # no [n, dim] temporary
             raise InvalidRequest("vectors exceed fp16's range (65504), this index's storage")
         torch = self._torch
         keys_t = torch.from_numpy(keys).to(self.device)
@@ -270,8 +272,6 @@ class CudaIvfIndex:
                 self.train()
         elif self._n >= RETRAIN_GROWTH * self.trained_rows:
             self.train()
-        elif self._buf.n > max(MERGE_MIN_ROWS, self._n // MERGE_SHARE):
-            self._merge()
 
     def remove(self, ids: object) -> int:
         """Remove ids [n] (unknown ones ignored); returns how many were present."""
@@ -280,9 +280,6 @@ class CudaIvfIndex:
             return 0
         removed = self._kill(self._torch.from_numpy(keys).to(self.device))
         self._n -= removed
-        dead_share = self._main_dead > max(MERGE_MIN_ROWS, self._main.n // MERGE_SHARE)
-        if self._centroids is not None and dead_share:
-            self._merge()  # removed rows would cost every probe of their lists
         return removed
 
     def _kill(self, keys: Any) -> int:
@@ -427,6 +424,10 @@ class CudaIvfIndex:
         q = check_queries(_host(queries), self.dim)
         k = check_k(k)
         filt = check_scope_filter(scope)
+        if self._centroids is not None:  # the buffer's scan or removed rows grew too costly
+            most = max(MERGE_MIN_ROWS, self._n // MERGE_SHARE)
+            if self._buf.n > most or self._main_dead > most:
+                self._merge()
         if self.metric == "cosine":
             q = normalise_rows(q, "queries")
         nq = q.shape[0]
