@@ -524,10 +524,10 @@ class CudaIvfIndex:
             ids = torch.cat([p[1] for p in parts], dim=1)
             best = torch.topk(scores, k, dim=1).indices
             scores, ids = scores.gather(1, best), ids.gather(1, best)
-        found = torch.isfinite(scores)
-        ids = torch.where(found, ids, torch.full_like(ids, NO_ID))
         out_s, out_i = scores.cpu().numpy(), ids.cpu().numpy()
-        out_s[out_i == NO_ID] = missing_score(self.metric)
+        missing = ~np.isfinite(out_s)  # masked or padded slots (on the host: no launches)
+        out_i[missing] = NO_ID
+        out_s[missing] = missing_score(self.metric)
         if self.metric == "l2":  # the keys rank as distances do; report the distances
             out_s, out_i = self._exact_l2(q, out_s, out_i)
         return out_s[:nq], out_i[:nq]
