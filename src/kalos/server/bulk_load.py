@@ -16,10 +16,11 @@ Files:
 - ``PAYLOADS.jsonl`` (optional): n lines, each a JSON string (the item's text payload) or
   ``null`` (none).
 
-The rows have no scope (tenant, user, session) and no metadata. They are upserted after
-recovery at every start that names the files (with ``--data-dir``, snapshots hold them too;
-a client's later removals of loaded ids last only until the next start with ``--load``). A
-replica (``--source``) takes its rows from the database and refuses ``--load``.
+The rows have no scope (tenant, user, session) and no metadata. They are not written to the
+write-ahead log: every start that names the files upserts them again, after recovery (with
+``--data-dir``, a later snapshot holds them too; a client's removal of a loaded id lasts until
+the next start with ``--load``). A replica (``--source``) takes its rows from the database
+and refuses ``--load``.
 
 Every problem is a :class:`~kalos.errors.ConfigError` naming the file, found before the
 sidecar starts anything: a missing or unreadable file, not an ``.npy`` array, the wrong dtype
