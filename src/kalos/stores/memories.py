@@ -481,7 +481,9 @@ class MemoryStore:
         the client put them in the buffer's query slots (not checked for NaN: they never
         reach the host)."""
         if self.gpu is None:
-            raise InvalidRequest("GPU results need a sidecar whose index is on a GPU")
+            raise InvalidRequest(
+                "GPU results need a sidecar whose exact index is on a GPU (cuda:flat)"
+            )
         if queries is not None:
             self.check_vectors(queries, "the query")
         check_k(k)
