@@ -10,6 +10,8 @@ import importlib.util
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kalos.errors import ConfigError, InvalidRequest
 from kalos.index import create
@@ -284,3 +286,59 @@ def test_cuda_ivf_merges_on_the_first_search_past_the_share(monkeypatch) -> None
     assert index._main_dead == 100
     assert_exact(index, q, index.search(q, 10), 10)
     assert index._main_dead == 0 and index._main.n == 900
+
+
+# --- property test: random operations across training, against a dict model ---
+
+_ids = st.integers(0, 90) | st.integers(1000, 1079)  # new ids, and the prefilled ones
+_vec = st.lists(st.integers(-3, 3), min_size=4, max_size=4).filter(any)
+_scope = st.tuples(st.integers(0, 2), st.integers(0, 2), st.integers(0, 1))
+_add = st.tuples(st.just("add"), st.lists(st.tuples(_ids, _vec, _scope), min_size=1, max_size=40))
+_remove = st.tuples(st.just("remove"), st.lists(_ids, max_size=12))
+_search = st.tuples(
+    st.just("search"), st.tuples(st.lists(_vec, min_size=1, max_size=2), st.integers(1, 12),
+                                 st.none() | _scope)
+)  # fmt: skip
+_ops = st.lists(st.one_of(_add, _add, _remove, _search), min_size=1, max_size=20)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=_ops)
+def test_random_operations_across_training_agree_with_a_dict_model(kind, metric, ops) -> None:
+    """Two lists, both probed: exact whatever happened. The index starts trained on 80 rows
+    (ids 1000-1079); the sequences add to, upsert in and remove from its lists (and retrain
+    it when they grow it 4x)."""
+    if kind == "cpu":
+        index = create("cpu:ivf,nlist=2,nprobe=2", dim=4, metric=metric)
+    else:
+        from kalos.index.cuda_ivf import CudaIvfIndex
+
+        index = CudaIvfIndex("cuda:ivf,nlist=2,nprobe=2", dim=4, metric=metric, device="cpu")
+    rng = np.random.default_rng(9)
+    first = rng.integers(-3, 4, (80, 4)).astype(np.float32)
+    first[first[:, 0] == 0, 0] = 1  # no zero rows
+    index.add(first, np.arange(1000, 1080))
+    assert index.is_trained
+    model: dict[int, tuple[np.ndarray, tuple[int, int, int]]] = {
+        1000 + j: (first[j], (0, 0, 0)) for j in range(80)
+    }
+    for op, arg in ops:
+        if op == "add":
+            ids = np.array([i for i, _, _ in arg], dtype=np.int64)
+            vectors = np.array([v for _, v, _ in arg], dtype=np.float32)
+            index.add(vectors, ids, np.array([s for _, _, s in arg], dtype=np.int64))
+            for i, v, s in arg:
+                model[i] = (np.array(v, dtype=np.float32), s)
+        elif op == "remove":
+            present = {i for i in arg if i in model}
+            assert index.remove(np.array(arg, dtype=np.int64)) == len(present)
+            for i in present:
+                del model[i]
+        else:
+            queries, k, scope = arg
+            q = np.array(queries, dtype=np.float32)
+            check_search(index.search(q, k, scope=scope), model, q, k, metric, scope)
+        assert len(index) == len(model)
+    assert sorted(index.dump()[0].tolist()) == sorted(model)
