@@ -26,9 +26,11 @@ row exists (100M rows cost no host memory beyond the adds in flight).
 Search of queries q [nq, dim]: centroid scores (one matmul) -> the ``nprobe`` best lists
 (``torch.topk``) -> one index tensor of those lists' rows built on the device (a
 ``searchsorted`` over the lists' cumulative sizes; the one host sync is the widest query's row
-count, which sizes it) -> those rows gathered, scored in fp32 against the query, masked
-(removed, filtered) -> ``torch.topk``; the buffer's top-k merged in. Scores are exact for the
-stored fp16 rows (l2: the winners' distances recomputed from differences).
+count, which sizes it) -> those rows gathered and ranked by their products with the query
+(fp16 on a GPU where the products stay in fp16's range, else fp32), masked (removed,
+filtered) -> the best ``max(RERANK_MIN, RERANK_FACTOR * k)`` re-scored in fp32 ->
+``torch.topk``; the buffer's top-k merged in. Scores are exact for the stored fp16 rows (l2:
+the winners' distances recomputed from differences).
 
 Training: k-means on the device (:func:`kmeans`: seeded; a random sample of at most
 ``SAMPLE_ROWS_PER_LIST * nlist`` rows; assignments by fp16 matmuls on a GPU, in chunks), then
@@ -97,12 +99,13 @@ def kmeans(sample: Any, nlist: int, spherical: bool, seed: int) -> Any:
 
     gen = torch.Generator().manual_seed(seed)
     m = sample.shape[0]
+    row_norm = float(sample.norm(dim=1).max())
     first = torch.randperm(m, generator=gen)[:nlist].to(sample.device)
     centroids = sample.index_select(0, first).clone()
     if spherical:
         centroids = _unit(centroids)
     for _ in range(KMEANS_ITERS):
-        assign = assign_lists(sample, centroids, spherical)
+        assign = assign_lists(sample, centroids, spherical, row_norm)
         counts = torch.bincount(assign, minlength=nlist)
         sums = torch.zeros_like(centroids).index_add_(0, assign, sample)
         full = counts > 0
@@ -120,14 +123,17 @@ def _unit(x: Any) -> Any:
     return x / x.norm(dim=1, keepdim=True).clamp_min(1e-30)
 
 
-def assign_lists(rows: Any, centroids: Any, spherical: bool) -> Any:
-    """The list [n] int64 of each of rows [n, dim] (any float dtype): its best centroid, by
-    matmuls of at most SCORE_BLOCK_BYTES of scores (fp16 on a GPU: ties at fp16's precision
-    may go either way, which moves a row to an equally near list)."""
+def assign_lists(rows: Any, centroids: Any, spherical: bool, row_norm: float) -> Any:
+    """The list [n] int64 of each of rows [n, dim] (any float dtype, norms at most
+    ``row_norm``): its best centroid, by matmuls of at most SCORE_BLOCK_BYTES of scores. On
+    a GPU in fp16 where the products and |c|^2 stay well inside its range (ties at fp16's
+    precision may go either way: a row goes to an equally near list), else fp32."""
     import torch
 
     nlist = centroids.shape[0]
-    dtype = torch.float16 if rows.device.type == "cuda" else torch.float32
+    c_norm = float(centroids.norm(dim=1).max())
+    in_range = max(row_norm * c_norm, c_norm * c_norm) < _FP16_MAX / 4
+    dtype = torch.float16 if rows.device.type == "cuda" and in_range else torch.float32
     c = centroids.to(dtype)
     half = None if spherical else (0.5 * centroids.square().sum(dim=1)).to(dtype)
     out = torch.empty(rows.shape[0], dtype=torch.int64, device=rows.device)
@@ -256,7 +262,7 @@ class CudaIvfIndex:
         )
         lists = None
         if self._centroids is not None:
-            lists = assign_lists(x, self._centroids, self.metric != "l2")
+            lists = assign_lists(x, self._centroids, self.metric != "l2", self._max_norm)
         sc = torch.from_numpy(np.ascontiguousarray(scope_rows.T)).to(self.device)
         at = self._buf.n
         self._buf.append(x, keys_t, sc)
@@ -367,7 +373,9 @@ class CudaIvfIndex:
         chunk = max(1, SCORE_BLOCK_BYTES // (4 * self.nlist))
         for lo in range(0, pos.numel(), chunk):
             rows = part.vecs.index_select(0, pos[lo : lo + chunk])
-            out[lo : lo + rows.shape[0]] = assign_lists(rows, self._centroids, spherical)
+            out[lo : lo + rows.shape[0]] = assign_lists(
+                rows, self._centroids, spherical, self._max_norm
+            )
         return out
 
     def _main_lists(self) -> Any:
