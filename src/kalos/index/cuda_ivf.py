@@ -218,8 +218,8 @@ class CudaIvfIndex:
         return int(total)
 
     def list_sizes(self) -> np.ndarray:
-        """Live and removed-but-not-yet-merged rows of each list [nlist] int64, plus the
-        buffer's rows counted in their lists (all zeros before training)."""
+        """Live rows in each list [nlist] int64, the sorted ones and the buffer's (by the
+        list each was assigned); all zeros before training."""
         sizes = self._sizes.copy()
         if self._centroids is not None and self._buf.n:
             live = self._buf.live[: self._buf.n]
@@ -244,7 +244,9 @@ class CudaIvfIndex:
     # ------------------------------------------------------------------------------ writes
 
     def add(self, vectors: object, ids: object, scopes: object = None) -> None:
-        """Upsert rows: the module doc's buffer; may train, retrain or merge (the rules)."""
+        """Upsert rows [n, dim] with ids [n] and scopes [n, 3] into the buffer (module doc);
+        the add that reaches a training size trains (or retrains) the index. InvalidRequest
+        for bad input and for values beyond fp16's range; nothing changes then."""
         vecs, keys, scope_rows = check_batch(
             _host(vectors), _host(ids), _host(scopes), self.dim, self.metric
         )
