@@ -28,6 +28,16 @@ KINDS = [
 DIM = 32
 
 
+@pytest.fixture(autouse=True)
+def _lists_always(monkeypatch) -> None:
+    """cpu:ivf scans every row once its probed lists hold most of them (FLAT_ABOVE); these
+    tests probe every list to hold the lists themselves to the exact answer, so they turn
+    that off (test_a_wide_probe_scans_every_row checks it)."""
+    import kalos.index.cpu_ivf as cpu_ivf
+
+    monkeypatch.setattr(cpu_ivf, "FLAT_ABOVE", 2.0)
+
+
 def ivf(kind: str, options: str, metric: str = "ip"):
     """A cpu:ivf index, or a cuda:ivf one whose tensors live on torch's CPU device."""
     if kind == "cpu":
@@ -342,3 +352,27 @@ def test_random_operations_across_training_agree_with_a_dict_model(kind, metric,
             check_search(index.search(q, k, scope=scope), model, q, k, metric, scope)
         assert len(index) == len(model)
     assert sorted(index.dump()[0].tolist()) == sorted(model)
+
+
+def test_a_wide_probe_scans_every_row(monkeypatch) -> None:
+    """Probed lists holding more than FLAT_ABOVE of the rows: the flat scan answers (exact),
+    without gathering the lists' rows; a narrow probe gathers them."""
+    import kalos.index.cpu_ivf as cpu_ivf
+
+    monkeypatch.setattr(cpu_ivf, "FLAT_ABOVE", 0.15)
+    index = create("cpu:ivf,nlist=32,nprobe=2", dim=DIM)
+    x = clustered(4000)
+    index.add(x, np.arange(4000))
+    gathered: list[int] = []
+    real = index._rows_of_lists
+    monkeypatch.setattr(index, "_rows_of_lists", lambda lists: gathered.append(1) or real(lists))
+    q = clustered(5, seed=51)
+    assert_exact(index, q, index.search(q, 10, nprobe=32), 10)
+    allow = np.arange(0, 4000, 3)
+    _, got = index.search(q, 10, nprobe=32, allow=allow)
+    exact = create("cpu:flat", dim=DIM)
+    exact.add(x, np.arange(4000))
+    np.testing.assert_array_equal(got, exact.search(q, 10, allow=allow)[1])
+    assert gathered == []
+    index.search(q, 10, nprobe=1)
+    assert len(gathered) == 5

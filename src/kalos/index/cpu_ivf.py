@@ -49,6 +49,10 @@ KMEANS_ITERS = 12
 """Rounds of k-means (assign, then move each centroid to its rows' mean)."""
 RETRAIN_GROWTH = 4
 """The index trains again once it holds this many times the rows it was trained with."""
+FLAT_ABOVE = 0.15
+"""A search whose probed lists hold more than this share of the rows scans every row instead
+(gathering scattered rows costs more than one matrix-vector product over all of them: on the
+2-core VM at 100K x 128, 128 of 1,024 lists took 2.0 ms p50 against 2.7 for every row)."""
 DEFAULT_NPROBE = 16
 """Lists probed when the spec gives no ``nprobe`` (at most ``nlist``)."""
 KMEANS_SEED = 20261205
@@ -370,15 +374,20 @@ class CpuIvfIndex(CpuFlatIndex):
         self, centroids: np.ndarray, q: np.ndarray, k: int, mask: np.ndarray | None, probes: int
     ) -> tuple[np.ndarray, np.ndarray]:
         """One query q [dim] over the rows of its best lists -> (rows [k], scores [k]), best
-        first. k <= the rows matched, so the widening probe always finds k rows."""
+        first. k <= the rows matched, so the widening probe always finds k rows. When the
+        lists probed hold more than FLAT_ABOVE of the rows, the flat scan of every row
+        answers instead: faster there, and exact."""
         cscores = centroids @ q  # [nlist]
         if self._half_c is not None:
             cscores -= self._half_c
+        n = len(self._table)
         while True:
             if probes < self.nlist:
                 best = np.argpartition(-cscores, probes - 1)[:probes]
             else:
                 best = np.arange(self.nlist)
+            if int(self._sizes[best].sum()) > FLAT_ABOVE * n:
+                return self._scan_one(q, k, None, None if mask is None else ~mask)
             rows = self._rows_of_lists(best)
             if mask is not None:
                 rows = rows[mask[rows]]
