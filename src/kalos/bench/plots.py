@@ -73,6 +73,7 @@ def plot_recall(
 
         matplotlib.use("Agg")
         from matplotlib import pyplot as plt
+        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
         fig, ax = plt.subplots(figsize=(7.5, 5.0), layout="constrained")
         for system, points in curves.items():
@@ -86,6 +87,9 @@ def plot_recall(
                     ax.annotate(str(setting), (x, y), textcoords="offset points",
                                 xytext=(3, -10), fontsize="x-small")  # fmt: skip
         ax.set_xscale("log")
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("p99 latency (µs, log scale)")
         ax.set_ylabel("recall@10 against exact")
         ax.set_ylim(min(0.5, ax.get_ylim()[0]), 1.005)

@@ -36,7 +36,7 @@ from threadpoolctl import threadpool_limits
 
 from kalos import index as kindex
 from kalos.bench import corpora
-from kalos.bench.common import print_table, summarize, write_result
+from kalos.bench.common import load_average, print_table, summarize, write_result
 from kalos.bench.plots import plot_recall
 from kalos.index.cpu_ivf import suggested_nlist
 from kalos.server.bulk_load import CHUNK_ROWS
@@ -253,7 +253,8 @@ def _run(args: argparse.Namespace) -> int:
         "corpus_info": corpus.info,
     }  # fmt: skip
     checks = {"recall_queries": len(queries), "recall_against": "float32 brute force"}
-    path = write_result(SCENARIO, args.machine, params, rows, args.out, checks=checks)
+    path = write_result(SCENARIO, args.machine, params, rows, args.out, checks=checks,
+                        load_average=load_average())  # fmt: skip
     print(f"wrote {path}")
     png = plot_recall(
         path, curves, title=f"search-ann: {corpus.name} {n:,} x {dim}, {spec}, top-{k}"
