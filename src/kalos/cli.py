@@ -56,6 +56,9 @@ def _serve(args: argparse.Namespace) -> int:
         grpc_tls_cert=args.grpc_tls_cert,
         grpc_tls_key=args.grpc_tls_key,
         grpc_tls_client_ca=args.grpc_tls_client_ca,
+        load=args.load,
+        load_ids=args.load_ids,
+        load_payloads=args.load_payloads,
         limits=Limits(
             max_turn_tokens=args.max_turn_tokens,
             max_turn_bytes=args.max_turn_bytes,
@@ -171,7 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--index",
         default=None,
-        help="index spec string, e.g. cpu:faiss-flat or cuda:flat,bf16 (default: the "
+        help="index spec string, e.g. cpu:faiss-flat, cuda:flat,bf16 or the approximate "
+        "cuda:ivf,nlist=16384,nprobe=32 (docs/ANN.md) (default: the "
         "device's exact index: cpu:flat, or cuda[:N]:flat,fp16)",
     )
     serve.add_argument(
@@ -204,6 +208,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--reserve", type=int, default=0, help="rows to allocate up front (GPU: keeps graphs)"
+    )
+    serve.add_argument(
+        "--load",
+        metavar="VECTORS.npy",
+        help="bulk load at start: the sidecar reads this .npy of float32/float16 vectors "
+        "[n, dim] itself before it reports ready (docs/ANN.md)",
+    )
+    serve.add_argument(
+        "--load-ids", metavar="IDS.npy", help="with --load: int64 ids [n] (default 0..n-1)"
+    )
+    serve.add_argument(
+        "--load-payloads",
+        metavar="PAYLOADS.jsonl",
+        help="with --load: n lines, each a JSON string (a text payload) or null",
     )
     serve.add_argument(
         "--gpu-doorbell",

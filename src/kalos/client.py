@@ -419,22 +419,27 @@ class Client:
         copy: bool = False,
         where: Any = None,
         metadata: bool = False,
+        nprobe: int = 0,
         timeout: float | None = None,
     ) -> SearchResult:
-        """Exact top-``k`` memories for ``query`` ([dim] or [nq, dim], float32 or float16).
+        """Top-``k`` memories for ``query`` ([dim] or [nq, dim], float32 or float16): exact,
+        unless the sidecar serves an approximate index (``--index cpu:ivf,...``).
 
         ``scope`` filters: an item matches when each field given equals the item's field.
         ``where``: a metadata filter (docs/FILTERS.md, e.g. ``{"year": {"gte": 2020}}``):
-        the exact top-k of the items that match it. ``metadata``: return each hit's
+        the top-k of the items that match it. ``metadata``: return each hit's
         metadata and string id too (``SearchResult.metadata``, ``.keys``).
+        ``nprobe``: on an approximate (IVF) index, how many lists this search scores (more:
+        higher recall, slower; 0: the index's own setting); an exact index ignores it.
         Scores: inner product or cosine similarity (descending), or squared L2 distance
         (ascending), by the sidecar's metric. Raises InvalidRequest for a wrong dimension,
-        NaN or inf, k outside 1..max_k, or a bad filter.
+        NaN or inf, k outside 1..max_k, nprobe not in 0..2**32-1, or a bad filter.
         """
         start = _monotonic_ns()
         single = np.ndim(query) == 1
         q = self._host_queries(query)
         codes.check_k(k)
+        nprobe = codes.check_nprobe(nprobe)
         sb = scope_bytes(scope)
         flags = codes.SEARCH_WANT_PAYLOADS if payloads else 0
         wire = None if where is None else filters.dumps(where)
@@ -442,11 +447,15 @@ class Client:
             flags |= codes.SEARCH_FILTER
         if metadata:
             flags |= codes.SEARCH_WANT_META
+        if nprobe:
+            flags |= codes.SEARCH_NPROBE
         try:
             t = self._channel(timeout)
             if wire is not None or metadata:
                 self._needs(t, 5, "search(where=..., metadata=True)")
-            n = M.encode_search(t.request_buffer, q, k, sb, wire)
+            if nprobe:
+                self._needs(t, 6, "search(nprobe=...)")
+            n = M.encode_search(t.request_buffer, q, k, sb, wire, nprobe)
             resp = self._call(t, Op.SEARCH, flags, n, timeout, start)
         except _UNAVAILABLE:
             if not self._degrade:

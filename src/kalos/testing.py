@@ -161,10 +161,13 @@ def isolated_sidecar(
         try:
             wait_for_socket(sidecar.socket, proc)
             cuda = any(a.startswith("cuda") for a in extra_args)
-            if "--data-dir" in extra_args or "--grpc" in extra_args or cuda:
+            loading = "--load" in extra_args
+            if "--data-dir" in extra_args or "--grpc" in extra_args or cuda or loading:
                 # recovered; grpc listening; a cuda sidecar's kernels warm (from a cold
-                # kernel cache, minutes)
-                wait_ready(sidecar.socket, proc, timeout=900.0 if cuda else 120.0)
+                # kernel cache, minutes); a bulk load read (10M rows: minutes)
+                wait_ready(
+                    sidecar.socket, proc, timeout=3600.0 if loading else 900.0 if cuda else 120.0
+                )
             yield sidecar
         finally:
             if proc.poll() is None:

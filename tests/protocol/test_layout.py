@@ -293,7 +293,7 @@ def test_shared_words_are_8_byte_aligned() -> None:
 
 
 def test_protocol_version_and_limits() -> None:
-    assert codes.PROTOCOL_VERSION == (1, 5)
+    assert codes.PROTOCOL_VERSION == (1, 6)
     assert codes.MAX_K == 1024
     assert {f.name: int(f) for f in codes.ResponseFlag} == {
         "DEVICE_PUBLISHED": 1,
@@ -363,6 +363,8 @@ def test_metric_payload_dtype_and_flag_codes() -> None:
     assert codes.ADD_HAS_TOKENS == 1
     assert codes.SEARCH_FILTER == 8
     assert codes.SEARCH_WANT_META == 16
+    assert codes.SEARCH_NPROBE == 32
+    assert codes.MAX_NPROBE == 2**32 - 1
     assert codes.ADD_HAS_META == 2
     assert codes.FORGET_FILTER == 1
     assert int(codes.RecallFlag.FILTER) == 2
@@ -384,6 +386,8 @@ def test_every_code_constant_is_pinned() -> None:
         "ADD_HAS_TOKENS",
         "SEARCH_FILTER",
         "SEARCH_WANT_META",
+        "SEARCH_NPROBE",
+        "MAX_NPROBE",
         "ADD_HAS_META",
         "FORGET_FILTER",
     }

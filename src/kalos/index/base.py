@@ -20,6 +20,9 @@ Conventions every backend keeps (the conformance tests in ``tests/index`` pin th
   A backend whose rows live on a device may say so with a ``filter_device`` attribute (a
   torch device): a store then evaluates filters there and passes ``allow`` as an int64
   tensor on it (kalos.stores.device_columns). Host backends have no such attribute.
+* ``nprobe``: how many lists an approximate (IVF) backend scores for this request; 0 (the
+  default) means the index's own setting. Exact backends take it and ignore it, so a caller
+  may pass it whatever index it holds.
 * Bad input raises :class:`kalos.errors.InvalidRequest`; an unknown id in ``reconstruct``
   raises :class:`kalos.errors.NotFound`.
 """
@@ -81,20 +84,26 @@ class Index(Protocol):
         *,
         scope: ScopeFilter | None = None,
         allow: np.ndarray | None = None,
+        nprobe: int = 0,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Top-k of queries [nq, dim] or [dim] → (scores [nq, k] float32, ids [nq, k] int64).
 
         ``allow``: ids [m] int64, the only ones that may be returned (None: any).
+        ``nprobe``: lists an approximate backend probes (0: its own setting; exact: ignored).
         The returned arrays are new and owned by the caller.
         """
         ...
 
     def search_many(
-        self, members: Sequence[tuple[object, int, ScopeFilter | None]]
+        self,
+        members: Sequence[tuple[object, int, ScopeFilter | None]],
+        *,
+        nprobe: int = 0,
     ) -> list[tuple[np.ndarray, np.ndarray]]:
         """Several searches at once, each ``(queries, k, scope)`` as ``search`` takes them:
         each one's ``(scores, ids)``, exactly what ``search`` would return for it alone. A
-        backend may share one pass over its rows among them (the sidecar's batching)."""
+        backend may share one pass over its rows among them (the sidecar's batching).
+        ``nprobe``: as :meth:`search`'s, for every member."""
         ...
 
     def remove(self, ids: object) -> int:
@@ -399,7 +408,9 @@ class RowIndex(abc.ABC):
         *,
         scope: ScopeFilter | None = None,
         allow: np.ndarray | None = None,
+        nprobe: int = 0,
     ) -> tuple[np.ndarray, np.ndarray]:
+        """Exact top-k (``nprobe`` is for approximate backends: ignored)."""
         q, k, mask, matched = self._checked(queries, k, scope, allow)
         if matched == 0:
             return self._no_results(q.shape[0], k)
@@ -433,7 +444,10 @@ class RowIndex(abc.ABC):
         return q, k, mask if matched < n else None, matched
 
     def search_many(
-        self, members: Sequence[tuple[object, int, ScopeFilter | None]]
+        self,
+        members: Sequence[tuple[object, int, ScopeFilter | None]],
+        *,
+        nprobe: int = 0,
     ) -> list[tuple[np.ndarray, np.ndarray]]:
         """Several searches at once, each ``(queries, k, scope)`` as :meth:`search` takes
         them; returns each one's ``(scores, ids)``, exactly what :meth:`search` would. A

@@ -152,7 +152,10 @@ class CpuFlatIndex(RowIndex):
         return out_scores, out_ids
 
     def search_many(
-        self, members: Sequence[tuple[object, int, ScopeFilter | None]]
+        self,
+        members: Sequence[tuple[object, int, ScopeFilter | None]],
+        *,
+        nprobe: int = 0,
     ) -> list[tuple[np.ndarray, np.ndarray]]:
         """Several searches in one pass over the rows (the sidecar's dynamic batching).
 

@@ -482,12 +482,14 @@ class CudaFlatIndex:
         *,
         scope: tuple[int, int, int] | None = None,
         allow: Any = None,
+        nprobe: int = 0,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Exact top-k: (scores [nq, k] float32, ids [nq, k] int64), numpy copies owned by the
-        caller. ip/cosine descending, l2 squared distance ascending; missing results are id -1
-        with score -inf (ip/cosine) or +inf (l2). ``allow``: ids [m] int64 (numpy, or a torch
-        tensor on :attr:`filter_device`), the only ones that may be returned (a metadata
-        filter's matches): see :meth:`_search_allowed`."""
+        """Exact top-k (``nprobe``, for approximate indexes, is ignored): (scores [nq, k]
+        float32, ids [nq, k] int64), numpy copies owned by the caller. ip/cosine descending,
+        l2 squared distance ascending; missing results are id -1 with score -inf (ip/cosine)
+        or +inf (l2). ``allow``: ids [m] int64 (numpy, or a torch tensor on
+        :attr:`filter_device`), the only ones that may be returned (a metadata filter's
+        matches): see :meth:`_search_allowed`."""
         q = self.device_queries(queries)
         k = _k_in(k)
         filt = _scope_in(scope)
@@ -623,7 +625,10 @@ class CudaFlatIndex:
             self._scopes = table
 
     def search_many(
-        self, members: Sequence[tuple[Any, int, tuple[int, int, int] | None]]
+        self,
+        members: Sequence[tuple[Any, int, tuple[int, int, int] | None]],
+        *,
+        nprobe: int = 0,
     ) -> list[tuple[np.ndarray, np.ndarray]]:
         """Several searches, each ``(queries, k, scope)``: one :meth:`search` each (a cuda
         sidecar batches through its GPU search hook, kalos.server.gpu_search, instead)."""

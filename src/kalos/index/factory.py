@@ -8,6 +8,8 @@ A spec is ``"<device>[:<index>]:<kind>[,<option>...]"``::
     "cuda:1:flat,bf16"    the same on device 1
     "cpu:flat,shards=3"   three cpu:flat shards, rows spread by id hash (kalos.index.sharded)
     "cuda:flat,shards=2"  two cuda:flat shards on one device
+    "cpu:ivf,nlist=1024"  approximate: an inverted-file index, 1024 lists (kalos.index.cpu_ivf)
+    "cuda:ivf,nlist=16384,nprobe=32"  the same on the GPU (kalos.index.cuda_ivf)
 
 The registry key is ``"<device>:<kind>"``; the device index and the options are passed to the
 backend's constructor, which refuses what it does not understand (ConfigError). A backend is
@@ -48,6 +50,13 @@ BACKENDS: dict[str, Backend] = {
         "create_from_spec",
         requires="torch",
         install="pip install 'kalos[gpu]' (torch and triton)",
+    ),
+    "cpu:ivf": Backend("kalos.index.cpu_ivf", "CpuIvfIndex"),
+    "cuda:ivf": Backend(
+        "kalos.index.cuda_ivf",
+        "create_from_spec",
+        requires="torch",
+        install="pip install 'kalos[gpu]' (torch)",
     ),
     "cpu:faiss-flat": Backend(
         "kalos.index.faiss_flat",

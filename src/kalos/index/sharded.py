@@ -246,9 +246,11 @@ class ShardedIndex:
         *,
         scope: ScopeFilter | None = None,
         allow: np.ndarray | None = None,
+        nprobe: int = 0,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """The exact top-k of all shards (the module doc: on the device for cuda children,
-        except with ``allow``). Returns numpy arrays owned by the caller."""
+        """The top-k of all shards (the module doc: on the device for cuda children, except
+        with ``allow``), exact when the children are; ``nprobe`` goes to each child. Returns
+        numpy arrays owned by the caller."""
         if self._device_children and allow is None:
             scores, ids = self._launch(self._device_inputs(queries, k, scope))
             return scores.cpu().numpy(), ids.cpu().numpy()
@@ -257,11 +259,14 @@ class ShardedIndex:
         parts = []
         for child in self.children:
             with self._current(child):
-                parts.append(child.search(q, k, scope=scope, allow=allow))
+                parts.append(child.search(q, k, scope=scope, allow=allow, nprobe=nprobe))
         return merge_topk(parts, k, self.metric)
 
     def search_many(
-        self, members: Sequence[tuple[object, int, ScopeFilter | None]]
+        self,
+        members: Sequence[tuple[object, int, ScopeFilter | None]],
+        *,
+        nprobe: int = 0,
     ) -> list[tuple[np.ndarray, np.ndarray]]:
         if self._device_children:
             # every member checked first (the checks synchronise), then every launch, then
@@ -269,7 +274,7 @@ class ShardedIndex:
             inputs = [self._device_inputs(q, k, scope) for q, k, scope in members]
             merged = [self._launch(one) for one in inputs]
             return [(scores.cpu().numpy(), ids.cpu().numpy()) for scores, ids in merged]
-        per_shard = [c.search_many(members) for c in self.children]  # [shards][members]
+        per_shard = [c.search_many(members, nprobe=nprobe) for c in self.children]
         return [
             merge_topk([answers[i] for answers in per_shard], check_k(k), self.metric)
             for i, (_, k, _) in enumerate(members)

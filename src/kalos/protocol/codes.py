@@ -16,8 +16,8 @@ from kalos import errors
 # 1.1: RECALL, ADD with token ids; 1.2: the token heap; 1.3: response flag DEVICE_PUBLISHED;
 # 1.4: the session index (clients compute CONTEXT windows from shared memory); 1.5: metadata,
 # string ids and filters (ADD_HAS_META, SEARCH_FILTER, SEARCH_WANT_META, FORGET_FILTER,
-# RECALL_FILTER, LOOKUP)
-PROTOCOL_VERSION = (1, 5)
+# RECALL_FILTER, LOOKUP); 1.6: SEARCH_NPROBE (an approximate index's probe count per search)
+PROTOCOL_VERSION = (1, 6)
 
 MAX_K = 1024  # largest k a search may ask for
 
@@ -85,6 +85,19 @@ SEARCH_GPU_RESULT = 2  # results into the channel's GPU buffer (CUDA IPC), not t
 SEARCH_GPU_QUERY = 4  # the queries are in the channel's GPU buffer; the body carries none
 SEARCH_FILTER = 8  # (1.5) a metadata filter's JSON section follows the scope block
 SEARCH_WANT_META = 16  # (1.5) the response carries each hit's string id and metadata
+SEARCH_NPROBE = 32  # (1.6) `u32 nprobe, u32 0` follows the scope block (0: the index's own)
+MAX_NPROBE = (1 << 32) - 1  # nprobe travels as a u32
+
+
+def check_nprobe(nprobe: object) -> int:
+    """``nprobe`` as a search asks for it: lists an approximate (IVF) index probes, an
+    integer in 0..:data:`MAX_NPROBE`; 0 means the index's own setting, and an exact index
+    ignores it. Raises InvalidRequest otherwise."""
+    if isinstance(nprobe, bool) or not isinstance(nprobe, numbers.Integral):
+        raise errors.InvalidRequest(f"nprobe must be an integer; got {nprobe!r}")
+    if not 0 <= int(nprobe) <= MAX_NPROBE:
+        raise errors.InvalidRequest(f"nprobe must be in 0..{MAX_NPROBE}; got {nprobe}")
+    return int(nprobe)
 
 
 ADD_HAS_TOKENS = 1  # ADD flag: the body carries token ids for some of its payloads

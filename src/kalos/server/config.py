@@ -92,6 +92,11 @@ class SidecarConfig:
     grpc_tls_cert: str | None = None  # PEM certificate chain and key: TLS on every listener
     grpc_tls_key: str | None = None
     grpc_tls_client_ca: str | None = None  # mutual TLS: clients need a certificate it signed
+    # Bulk load at start (kalos.server.bulk_load): a .npy of vectors [n, dim] the sidecar
+    # reads itself before it reports ready, with optional ids (.npy) and payloads (.jsonl).
+    load: str | None = None
+    load_ids: str | None = None
+    load_payloads: str | None = None
 
     def __post_init__(self) -> None:
         check_name(self.name)
@@ -147,6 +152,16 @@ class SidecarConfig:
             raise ConfigError("--grpc-tls-client-ca needs --grpc-tls-cert and --grpc-tls-key")
         if self.grpc_tls_cert is not None and not self.grpc:
             raise ConfigError("the grpc TLS options need a grpc listener (--grpc ADDR)")
+        if self.load is None and (self.load_ids is not None or self.load_payloads is not None):
+            raise ConfigError("--load-ids and --load-payloads go with --load VECTORS.npy")
+        if self.load is not None:
+            if self.source is not None:
+                raise ConfigError(
+                    "--load: a replica (--source) takes its rows from the database; load them there"
+                )
+            from kalos.server.bulk_load import check_files
+
+            check_files(self.load, self.load_ids, self.load_payloads, self.dim)
 
     @property
     def index_spec(self) -> str:

@@ -90,9 +90,10 @@ _encode_context_tokens_response = M.encode_context_tokens_response
 def batchable(op: int, flags: int) -> bool:
     """Whether a request may join a batch (Dispatcher.handle_batch): a search or a recall
     whose results come back in the response (not into a GPU buffer), without a metadata
-    filter (a filtered search runs alone: its rows are its own)."""
+    filter (a filtered search runs alone: its rows are its own) and with the index's own
+    nprobe (one that sets its own runs alone)."""
     if op == _SEARCH:
-        return not flags & (_SEARCH_ON_GPU | _SEARCH_FILTERED)
+        return not flags & (_SEARCH_ON_GPU | _SEARCH_FILTERED | codes.SEARCH_NPROBE)
     if op == _RECALL:
         return not flags & (_RECALL_GPU | _RECALL_FILTER)
     return False
@@ -352,10 +353,11 @@ class Dispatcher:
             codes.check_k(req.k)  # a bad k is INVALID_REQUEST, before its response's size is judged
             n, scores, ids = M.search_response_views(out, len(req.queries), req.k)
             self.memories.search(
-                req.queries, req.k, req.scope, out=(scores, ids), pinned=self.pinned
-            )
+                req.queries, req.k, req.scope, out=(scores, ids), pinned=self.pinned,
+                nprobe=req.nprobe,
+            )  # fmt: skip
             return n, 0
-        scores, ids = self.memories.search(req.queries, req.k, req.scope)
+        scores, ids = self.memories.search(req.queries, req.k, req.scope, nprobe=req.nprobe)
         t = _monotonic_ns()
         n = M.encode_search_response(out, scores, ids, self.memories.payloads(ids))
         return n, t
@@ -365,7 +367,9 @@ class Dispatcher:
     ) -> tuple[int, int]:
         """A search with a metadata filter, or one that returns metadata (1.5)."""
         where = None if req.where is None else filters.parse(req.where)
-        scores, ids = self.memories.search(req.queries, req.k, req.scope, where=where)
+        scores, ids = self.memories.search(
+            req.queries, req.k, req.scope, where=where, nprobe=req.nprobe
+        )
         t = _monotonic_ns()
         payloads = self.memories.payloads(ids) if flags & codes.SEARCH_WANT_PAYLOADS else None
         entries = self.memories.entries(ids) if flags & codes.SEARCH_WANT_META else None
@@ -392,7 +396,10 @@ class Dispatcher:
                 "sidecar whose index is on a GPU"
             )
         gpu_query = bool(flags & codes.SEARCH_GPU_QUERY)
-        req = M.decode_search(body, len(body), with_queries=not gpu_query)
+        # an exact GPU index: a probe count (flag SEARCH_NPROBE) is read and does not apply
+        req = M.decode_search(
+            body, len(body), with_queries=not gpu_query, flags=flags & codes.SEARCH_NPROBE
+        )
         nq = len(req.queries)
         self.memories.search_to_device(
             self.gpu_buffer, None if gpu_query else req.queries, nq, req.k, req.scope

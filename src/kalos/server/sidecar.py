@@ -28,6 +28,7 @@ from threadpoolctl import threadpool_limits
 
 from kalos import _native, index
 from kalos.errors import ConfigError
+from kalos.index.factory import parse_spec
 from kalos.paths import runtime_dir, socket_path
 from kalos.protocol import codes
 from kalos.protocol import layout as L
@@ -147,10 +148,11 @@ class Sidecar:
         vectors = index.create(config.index_spec, dim=config.dim, metric=config.metric)
         if config.reserve and hasattr(vectors, "reserve"):
             vectors.reserve(config.reserve)
-        # A cuda index's searches go through the GPU search (graphs, pinned staging, the
-        # doorbell): the one hook of the GPU path, handed to the store it serves.
+        # An exact cuda index's searches go through the GPU search (graphs, pinned staging,
+        # the doorbell): the one hook of the GPU path, handed to the store it serves. An
+        # approximate one (cuda:ivf) is searched through the Index protocol like a CPU index.
         self.gpu: GpuSearch | None = None
-        if config.device.startswith("cuda"):
+        if config.device.startswith("cuda") and parse_spec(config.index_spec).kind == "flat":
             from kalos.server.gpu_search import GpuSearch
 
             self.gpu = GpuSearch(vectors, doorbell=config.gpu_doorbell)
@@ -363,6 +365,8 @@ class Sidecar:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.path)
                 raise
+        if self.config.load is not None:
+            self._load()
         if self.gpu is not None and not self._warm():
             return  # stopped meanwhile: serve() and start() close at once
         self.listener.ready.set()
@@ -375,6 +379,31 @@ class Sidecar:
             self.config.dim,
             self.config.metric,
         )
+
+    def _load(self) -> None:
+        """Before readiness, after recovery: the rows of ``--load`` (kalos.server.bulk_load),
+        read by the sidecar itself. A bad file stops the start, as a bad flag does."""
+        from kalos.server.bulk_load import check_files, load_into
+
+        config = self.config
+        assert config.load is not None
+        files = check_files(config.load, config.load_ids, config.load_payloads, config.dim)
+        log.info("loading %d rows from %s", files.rows, config.load)
+        try:
+            with self.lock:
+                load_into(self.memories, files)
+                # an index with unsorted rows pending (cuda:ivf's buffer) sorts them now
+                flush = getattr(self.memories.index, "flush", None)
+                if flush is not None:
+                    flush()
+        except BaseException:
+            if self.grpc is not None:
+                self.grpc.close()
+            if self.listener is not None:
+                self.listener.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+            raise
 
     def _warm(self) -> bool:
         """Before readiness: every kernel and the common graphs of a cuda sidecar's searches

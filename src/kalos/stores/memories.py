@@ -28,7 +28,7 @@ from kalos.index.base import scope_mask
 from kalos.index.rows import RowTable
 from kalos.protocol import codes
 from kalos.protocol import layout as L
-from kalos.protocol.codes import check_k
+from kalos.protocol.codes import check_k, check_nprobe
 from kalos.stores.device_columns import DeviceColumns
 from kalos.stores.limits import Limits, check_size
 from kalos.stores.metadata import MetadataTable
@@ -334,8 +334,11 @@ class MemoryStore:
         out: tuple[np.ndarray, np.ndarray] | None = None,
         pinned: Any = None,
         where: Node | None = None,
+        nprobe: int = 0,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Exact top-k: (scores [nq, k] f32, ids [nq, k] i64; -1 where fewer matched).
+        """Top-k, exact unless the index is approximate: (scores [nq, k] f32, ids [nq, k] i64;
+        -1 where fewer matched). ``nprobe``: lists an approximate (IVF) index probes for this
+        search (0: its own setting; exact indexes ignore it).
 
         With ``out`` (two such arrays, e.g. views into a response) the results are written
         there and ``out`` is returned; on a GPU index whose ``pinned`` arena holds ``out``, by
@@ -345,12 +348,17 @@ class MemoryStore:
         """
         self.check_vectors(queries, "the query")
         check_k(k)
+        nprobe = check_nprobe(nprobe)
         allow = None
         if where is not None:
             allow = self._allowed(where)
-        elif self.gpu is not None:
+        elif self.gpu is not None:  # an exact GPU index: nprobe does not apply
             return self.gpu.search(queries, k, self.scopes.filter(scope), out, pinned)
-        scores, ids = self.index.search(queries, k, scope=self.scopes.filter(scope), allow=allow)
+        filt = self.scopes.filter(scope)
+        if nprobe:
+            scores, ids = self.index.search(queries, k, scope=filt, allow=allow, nprobe=nprobe)
+        else:
+            scores, ids = self.index.search(queries, k, scope=filt, allow=allow)
         if out is None:
             return scores, ids
         out[0][...] = scores
@@ -473,7 +481,9 @@ class MemoryStore:
         the client put them in the buffer's query slots (not checked for NaN: they never
         reach the host)."""
         if self.gpu is None:
-            raise InvalidRequest("GPU results need a sidecar whose index is on a GPU")
+            raise InvalidRequest(
+                "GPU results need a sidecar whose exact index is on a GPU (cuda:flat)"
+            )
         if queries is not None:
             self.check_vectors(queries, "the query")
         check_k(k)

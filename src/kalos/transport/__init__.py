@@ -68,7 +68,8 @@ def open_channel(
                 os.close(fd)
             sock.close()
             raise ConfigError(
-                f"the sidecar {name!r} has no GPU index: GPU results need --device cuda"
+                f"the sidecar {name!r} has no GPU result buffer: GPU results need an exact"
+                " GPU index (kalos serve --device cuda, cuda:flat)"
             )
         return open_shm(
             sock,

@@ -50,18 +50,29 @@ def search_request_size(nq: int, dim: int, itemsize: int, sb: ScopeBytes) -> int
 
 
 def encode_search(
-    buf: np.ndarray, queries: np.ndarray, k: int, sb: ScopeBytes, where: bytes | None = None
+    buf: np.ndarray,
+    queries: np.ndarray,
+    k: int,
+    sb: ScopeBytes,
+    where: bytes | None = None,
+    nprobe: int = 0,
 ) -> int:
     """Writes a SEARCH body (queries: [nq, dim] f32 or f16, C-contiguous); returns its length.
-    ``where``: a filter's JSON (kalos.filters), sent with flag SEARCH_FILTER."""
+    ``where``: a filter's JSON (kalos.filters), sent with flag SEARCH_FILTER. ``nprobe``
+    (not 0): the probe count section, sent with flag SEARCH_NPROBE (1.6)."""
     shape = nq, dim = queries.shape
     dtype = queries.dtype
     size = 16 + sb.nbytes + _pad8(queries.nbytes)
+    if nprobe:
+        size += 8
     if where is not None:
         size += json_section_size(where)
     _fit(size, len(buf), "search request")
     _HEAD4.pack_into(buf, 0, nq, k, dim, codes.DTYPE_F16 if dtype.char == "e" else codes.DTYPE_F32)
     off = write_scope(buf, 16, sb)
+    if nprobe:
+        _NPROBE.pack_into(buf, off, nprobe, 0)
+        off += 8
     if where is not None:
         off = write_json_section(buf, off, where)
     np.ndarray(shape, dtype, buf, off)[...] = queries
@@ -73,9 +84,11 @@ class SearchRequest(NamedTuple):
     k: int
     scope: Scope
     where: bytes | None = None  # the filter's JSON (flag SEARCH_FILTER)
+    nprobe: int = 0  # lists an approximate index probes (flag SEARCH_NPROBE); 0: its own
 
 
 _SEARCH_HEAD = struct.Struct("<IIIIIII")  # nq, k, dim, dtype, then the scope's three lengths
+_NPROBE = struct.Struct("<II")  # nprobe, 0
 
 
 def decode_search(
@@ -83,7 +96,8 @@ def decode_search(
 ) -> SearchRequest:
     """A SEARCH body; ``with_queries`` False (flag SEARCH_GPU_QUERY): the body ends after the
     scope block and ``queries`` is an empty [nq, 0] array (the queries are on the GPU). With
-    flag SEARCH_FILTER a JSON section (the filter) follows the scope block."""
+    flag SEARCH_NPROBE the probe count (``u32 nprobe, u32 0``) follows the scope block; with
+    flag SEARCH_FILTER a JSON section (the filter) follows those."""
     _need(32, end)
     nq, k, dim, dtype, a, b, c = _SEARCH_HEAD.unpack_from(buf, 0)
     if a or b or c:
@@ -92,12 +106,18 @@ def decode_search(
         scope, off = _NO_SCOPE, 32
     if nq == 0 or dim == 0:
         raise InvalidRequest("search needs at least one query of dimension > 0")
+    nprobe = 0
+    if flags & codes.SEARCH_NPROBE:
+        _need(off + 8, end)
+        nprobe = _NPROBE.unpack_from(buf, off)[0]
+        off += 8
     where = None
     if flags & codes.SEARCH_FILTER:
         where, off = read_json_section(buf, off, end)
     if not with_queries:
-        return SearchRequest(np.empty((nq, 0), np.float32), k, scope, where)
-    return SearchRequest(_matrix(buf, off, vector_dtype(dtype), (nq, dim), end), k, scope, where)
+        return SearchRequest(np.empty((nq, 0), np.float32), k, scope, where, nprobe)
+    queries = _matrix(buf, off, vector_dtype(dtype), (nq, dim), end)
+    return SearchRequest(queries, k, scope, where, nprobe)
 
 
 def encode_search_header(buf: np.ndarray, nq: int, dim: int, k: int, sb: ScopeBytes) -> int:

@@ -1,0 +1,308 @@
+"""search-ann: an inverted-file index's recall@10 against exact search, and its latency, per nprobe.
+
+One corpus (``--corpus``, :mod:`kalos.bench.corpora`; default ``clustered`` 100K x 128), three
+things built on the same rows:
+
+- the ground truth: the exact top-k of every query in float32 by brute force (numpy, or torch
+  on the GPU with ``--device cuda``), a chunk of rows at a time;
+- the exact index (``--exact``, default ``cpu:flat`` or ``cuda:flat,fp16``; ``none`` skips it),
+  timed as the reference row;
+- the IVF index (``<device>:ivf,nlist=N``; ``--nlist`` default about 4 * sqrt(n), a power of
+  two), built by adds of ``--chunk`` rows (the training rule of docs/ANN.md applies on the
+  way), then flushed; its build seconds and memory are recorded.
+
+Then for each ``--nprobe`` setting: recall@k of every query against the ground truth, and the
+latency of ``--queries`` single-query searches (batch 1), in-process (``index.search``) and,
+unless ``--no-sidecar``, end to end through a sidecar's client (``kalos serve --index <the
+same spec> --load``: the sidecar reads the corpus from a .npy itself, and builds the same
+index), ``nprobe`` sent per request. Every row carries ``recall_at_10`` (recall@k for the
+run's k), ``p50_us`` and ``p99_us``. A PNG plots recall against p99.
+
+At 100M rows the corpus alone is 51 GB of host memory (float32); the index is built in chunks
+on the GPU and the ground truth uploads a chunk of rows at a time. ``--exact none`` and
+``--no-sidecar`` keep such a run to one copy of the index.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+from kalos import index as kindex
+from kalos.bench import corpora
+from kalos.bench.common import load_average, print_table, summarize, write_result
+from kalos.bench.plots import plot_recall
+from kalos.index.cpu_ivf import suggested_nlist
+from kalos.server.bulk_load import CHUNK_ROWS
+
+SCENARIO = "search-ann"
+TRUTH_CHUNK = 1 << 20  # rows per ground-truth block
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--corpus", choices=corpora.NAMES, default="clustered")
+    p.add_argument("--n", type=int, default=100_000)
+    p.add_argument("--dim", type=int, default=None,
+                   help="implied for real-384 and real-128; 128 for the others")  # fmt: skip
+    p.add_argument("--k", type=int, default=10)
+    p.add_argument("--queries", type=int, default=1000,
+                   help="held-out queries: every one scored for recall, and timed")  # fmt: skip
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--metric", choices=("ip", "cosine", "l2"), default="ip")
+    p.add_argument("--nlist", type=int, default=None,
+                   help="lists (default: about 4 * sqrt(n), a power of two)")  # fmt: skip
+    p.add_argument("--nprobe", type=int, nargs="+", default=None,
+                   help="settings swept (default: powers of 2 up to min(nlist, 512))")  # fmt: skip
+    p.add_argument("--exact", default=None,
+                   help="the exact index timed beside it (default cpu:flat or cuda:flat,fp16;"
+                        " none: skip)")  # fmt: skip
+    p.add_argument("--chunk", type=int, default=CHUNK_ROWS,
+                   help="rows per add while building (as the sidecar's --load adds)")  # fmt: skip
+    p.add_argument("--no-sidecar", dest="sidecar", action="store_false",
+                   help="in-process only (no end-to-end rows)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=corpora.SEED, help="the corpus's seed")
+    p.add_argument("--corpus-dir", default=None,
+                   help="the corpora's cache (default $KALOS_CORPUS_DIR or "
+                        "~/.cache/kalos/corpora)")  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    # in-process searches run with one BLAS thread, as the sidecar's (compute_threads 1)
+    with threadpool_limits(limits=1 if args.device == "cpu" else None):
+        return _run(args)
+
+
+def ground_truth(
+    db: np.ndarray, queries: np.ndarray, k: int, metric: str, device: str
+) -> np.ndarray:
+    """The exact top-k ids [nq, k] (row numbers) of queries against db in float32, by brute
+    force a block of TRUTH_CHUNK rows at a time (torch on the GPU for device "cuda")."""
+    if device == "cuda":
+        return _truth_torch(db, queries, k, metric)
+    q = _prepared(queries, metric)
+    best_s = np.full((len(q), 0), -np.inf, np.float32)
+    best_i = np.empty((len(q), 0), np.int64)
+    for lo in range(0, len(db), TRUTH_CHUNK):
+        x = _prepared(np.asarray(db[lo : lo + TRUTH_CHUNK], np.float32), metric)
+        s = q @ x.T  # [nq, chunk]
+        if metric == "l2":
+            s -= 0.5 * np.einsum("ij,ij->i", x, x)
+        kk = min(k, s.shape[1])
+        part = np.argpartition(-s, kk - 1, axis=1)[:, :kk]
+        best_s = np.concatenate([best_s, np.take_along_axis(s, part, 1)], axis=1)
+        best_i = np.concatenate([best_i, part + lo], axis=1)
+        keep = np.argsort(-best_s, axis=1, kind="stable")[:, :k]
+        best_s, best_i = np.take_along_axis(best_s, keep, 1), np.take_along_axis(best_i, keep, 1)
+    return best_i
+
+
+def _prepared(x: np.ndarray, metric: str) -> np.ndarray:
+    if metric != "cosine":
+        return x
+    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-30)
+
+
+def _truth_torch(db: np.ndarray, queries: np.ndarray, k: int, metric: str) -> np.ndarray:
+    import torch
+
+    q = torch.from_numpy(_prepared(queries, metric)).cuda()
+    best_s = torch.full((len(q), 0), -float("inf"), device="cuda")
+    best_i = torch.empty((len(q), 0), dtype=torch.int64, device="cuda")
+    for lo in range(0, len(db), TRUTH_CHUNK):
+        x = torch.from_numpy(np.ascontiguousarray(db[lo : lo + TRUTH_CHUNK], np.float32)).cuda()
+        if metric == "cosine":
+            x = x / x.norm(dim=1, keepdim=True).clamp_min(1e-30)
+        s = q @ x.T
+        if metric == "l2":
+            s -= 0.5 * x.square().sum(dim=1)
+        top = torch.topk(s, min(k, s.shape[1]), dim=1)
+        best_s = torch.cat([best_s, top.values], dim=1)
+        best_i = torch.cat([best_i, top.indices + lo], dim=1)
+        top = torch.topk(best_s, min(k, best_s.shape[1]), dim=1)
+        best_s, best_i = top.values, best_i.gather(1, top.indices)
+    return best_i.cpu().numpy()
+
+
+def recall_at(got: np.ndarray, want: np.ndarray, at: int = 10) -> float:
+    """recall@at: the share of the true top-``at`` ids (want [nq, >= at]) found among the
+    first ``at`` of got [nq, >= at]."""
+    got, want = got[:, :at], want[:, :at]
+    hits = sum(len(set(g.tolist()) & set(w.tolist())) for g, w in zip(got, want, strict=True))
+    return hits / want.size
+
+
+def _time_searches(search: Any, queries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each query searched alone: (latency ns [nq], ids [nq, k])."""
+    clock = time.perf_counter_ns
+    lat = np.empty(len(queries), np.int64)
+    found = []
+    for i in range(len(queries)):
+        t0 = clock()
+        ids = search(queries[i])
+        lat[i] = clock() - t0
+        found.append(ids)
+    return lat, np.stack(found)
+
+
+def _memory_mark(device: str) -> int:
+    """GPU memory allocated now (after freeing cached blocks), its peak counter reset."""
+    if device != "cuda":
+        return 0
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return int(torch.cuda.memory_allocated())
+
+
+def _build(
+    spec: str, db: np.ndarray, ids: np.ndarray, metric: str, chunk: int, device: str
+) -> tuple[Any, float, dict[str, int]]:
+    """The index of ``spec`` with every row added ``chunk`` at a time, flushed:
+    (index, build seconds, {bytes it holds; on the GPU also the peak while building})."""
+    before = _memory_mark(device)
+    t0 = time.perf_counter()
+    index = kindex.create(spec, dim=db.shape[1], metric=metric)
+    for lo in range(0, len(db), chunk):
+        index.add(np.asarray(db[lo : lo + chunk], np.float32), ids[lo : lo + chunk])
+    flush = getattr(index, "flush", None)
+    if flush is not None:
+        flush()
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    memory = {"index_bytes": int(index.nbytes)}
+    if device == "cuda":
+        import torch
+
+        memory["gpu_peak_bytes"] = int(torch.cuda.max_memory_allocated()) - before
+        memory["gpu_held_bytes"] = _memory_mark(device) - before
+    return index, seconds, memory
+
+
+def _run(args: argparse.Namespace) -> int:
+    dim = args.dim
+    if dim is None and args.corpus in ("clustered", "uniform"):
+        dim = 128
+    corpus = corpora.load(args.corpus, args.n, dim, queries=args.queries, seed=args.seed,
+                          cache_dir=args.corpus_dir, progress=not args.quiet)  # fmt: skip
+    db, queries, dim, n, k = corpus.db, corpus.queries, corpus.dim, corpus.n, args.k
+    nlist = args.nlist or suggested_nlist(n)
+    sweep = args.nprobe or [p for p in (1 << i for i in range(20)) if p <= min(nlist, 512)]
+    spec = f"{args.device}:ivf,nlist={nlist}"
+    exact_spec = args.exact or ("cpu:flat" if args.device == "cpu" else "cuda:flat,fp16")
+    ids = np.arange(n, dtype=np.int64)  # ids are row numbers: the ground truth's ids
+
+    t0 = time.perf_counter()
+    truth = ground_truth(db, queries, k, args.metric, args.device)
+    truth_s = time.perf_counter() - t0
+    print(f"ground truth: {len(queries)} queries x {n:,} rows in {truth_s:.1f} s")
+
+    rows: list[dict[str, Any]] = []
+    curves: dict[str, list[tuple[float, float, int]]] = {}  # system -> (p99, recall, nprobe)
+    if exact_spec != "none":
+        exact, build_s, held = _build(exact_spec, db, ids, args.metric, args.chunk, args.device)
+        for q in queries[:20]:
+            exact.search(q, k)
+        lat, got = _time_searches(lambda q: exact.search(q, k)[1][0], queries)
+        row = summarize(f"inprocess-{exact_spec}", lat, index=exact_spec)
+        row.update(recall_at_10=round(recall_at(got, truth), 5), build_s=round(build_s, 2),
+                   **held)  # fmt: skip
+        rows.append(row)
+        curves[f"exact {exact_spec}"] = [(row["p99_us"], row["recall_at_10"], 0)]
+        del exact
+        _memory_mark(args.device)
+
+    index, build_s, held = _build(spec, db, ids, args.metric, args.chunk, args.device)
+    print(f"built {spec}: {build_s:.1f} s, {held}, {index!r}")
+    for nprobe in sweep:
+        for q in queries[:20]:
+            index.search(q, k, nprobe=nprobe)
+        lat, got = _time_searches(
+            lambda q, ix=index, p=nprobe: ix.search(q, k, nprobe=p)[1][0], queries
+        )
+        row = summarize(f"inprocess-{spec}", lat, index=spec, nprobe=nprobe)
+        row.update(recall_at_10=round(recall_at(got, truth), 5))
+        rows.append(row)
+        curves.setdefault(f"in-process {spec}", []).append(
+            (row["p99_us"], row["recall_at_10"], nprobe)
+        )
+    build = {"build_s": round(build_s, 2), **held, "chunk_rows": args.chunk,
+             "trainings": getattr(index, "trainings", None), "nlist": nlist}  # fmt: skip
+    del index
+    _memory_mark(args.device)
+
+    if args.sidecar:
+        rows += _through_sidecar(args, spec, db, queries, truth, sweep, curves)
+
+    print_table(rows, ("system", "nprobe", "recall_at_10", "p50_us", "p99_us", "qps"))
+    params = {
+        "corpus": corpus.name, "n": n, "dim": dim, "dtype": "float32", "k": k,
+        "metric": args.metric, "index": spec, "exact_index": exact_spec, "device": args.device,
+        "nprobe": sweep, "queries": len(queries), "build": build,
+        "ground_truth": {"method": "brute force, float32", "seconds": round(truth_s, 2)},
+        "corpus_info": corpus.info,
+    }  # fmt: skip
+    checks = {"recall_queries": len(queries), "recall_against": "float32 brute force"}
+    path = write_result(SCENARIO, args.machine, params, rows, args.out, checks=checks,
+                        load_average=load_average())  # fmt: skip
+    print(f"wrote {path}")
+    png = plot_recall(
+        path, curves, title=f"search-ann: {corpus.name} {n:,} x {dim}, {spec}, top-{k}"
+    )
+    if png:
+        print(f"wrote {png}")
+    return 0
+
+
+def _through_sidecar(
+    args: argparse.Namespace,
+    spec: str,
+    db: np.ndarray,
+    queries: np.ndarray,
+    truth: np.ndarray,
+    sweep: list[int],
+    curves: dict[str, list[tuple[float, float, int]]],
+) -> list[dict[str, Any]]:
+    """The same index served by a sidecar that loads the corpus itself (``--load``): each
+    nprobe's recall and end-to-end latency through the client (shm)."""
+    from kalos.testing import isolated_sidecar
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kalos-ann-") as tmp:
+        path = os.path.join(tmp, "corpus.npy")
+        np.save(path, db)  # ids: 0..n-1, the row numbers
+        extra = ("--index", spec, "--device", args.device, "--load", path)
+        with isolated_sidecar(dim=db.shape[1], metric=args.metric, name="bench-search-ann",
+                              extra_args=extra) as sidecar:  # fmt: skip
+            os.unlink(path)
+            client = sidecar.connect(timeout=600.0)
+            for nprobe in sweep:
+                for q in queries[:20]:
+                    client.search(q, args.k, nprobe=nprobe, payloads=False)
+                lat, got = _time_searches(
+                    lambda q, p=nprobe: (
+                        client.search(q, args.k, nprobe=p, payloads=False, copy=True).ids
+                    ),
+                    queries,
+                )
+                row = summarize("kalos-shm", lat, index=spec, nprobe=nprobe)
+                row.update(recall_at_10=round(recall_at(got, truth), 5))
+                rows.append(row)
+                curves.setdefault(f"kalos-shm {spec}", []).append(
+                    (row["p99_us"], row["recall_at_10"], nprobe)
+                )
+            client.close()
+    return rows
+
+
+__all__ = ["SCENARIO", "add_arguments", "ground_truth", "recall_at", "run"]

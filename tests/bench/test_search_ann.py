@@ -1,0 +1,56 @@
+"""``kalos bench search-ann`` end to end at a tiny size, and its recall arithmetic."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from kalos.bench.search_ann import ground_truth, recall_at
+from kalos.cli import build_parser
+from kalos.index import create
+
+
+def test_ground_truth_is_the_exact_top_k_across_chunks(monkeypatch) -> None:
+    import kalos.bench.search_ann as ann
+
+    monkeypatch.setattr(ann, "TRUTH_CHUNK", 37)  # many blocks, the last one short
+    rng = np.random.default_rng(5)
+    db = rng.standard_normal((500, 16)).astype(np.float32)
+    q = rng.standard_normal((9, 16)).astype(np.float32)
+    for metric in ("ip", "cosine", "l2"):
+        exact = create("cpu:flat", dim=16, metric=metric)
+        exact.add(db, np.arange(500))
+        want = exact.search(q, 10)[1]
+        got = ground_truth(db, q, 10, metric, "cpu")
+        np.testing.assert_array_equal(got, want)
+
+
+def test_recall_at_counts_the_true_top_10_found() -> None:
+    want = np.arange(20).reshape(2, 10)
+    got = want.copy()
+    got[0, :3] = [100, 101, 102]
+    assert recall_at(got, want) == 17 / 20
+    assert recall_at(got[:, ::-1], want) == 17 / 20  # order does not matter
+
+
+def test_the_bench_sweeps_nprobe_in_process_and_through_a_sidecar(tmp_path) -> None:
+    args = build_parser().parse_args(
+        ["bench", "search-ann", "--n", "4000", "--queries", "50", "--nlist", "32",
+         "--nprobe", "1", "32", "--out", str(tmp_path), "--machine", "test", "--quiet"]
+    )  # fmt: skip
+    assert args.func(args) == 0
+    path = tmp_path / "search-ann-test.json"
+    assert path.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    result = json.loads(path.read_text())
+    assert result["params"]["index"] == "cpu:ivf,nlist=32"
+    assert (result["params"]["n"], result["params"]["corpus"]) == (4000, "clustered")
+    rows = {(r["system"], r.get("nprobe")): r for r in result["rows"]}
+    assert rows[("inprocess-cpu:flat", None)]["recall_at_10"] == 1.0
+    one = rows[("inprocess-cpu:ivf,nlist=32", 1)]["recall_at_10"]
+    assert one < rows[("inprocess-cpu:ivf,nlist=32", 32)]["recall_at_10"] == 1.0
+    # the sidecar loads the same rows, builds the same index, answers the same
+    assert rows[("kalos-shm", 1)]["recall_at_10"] == one
+    assert rows[("kalos-shm", 32)]["recall_at_10"] == 1.0
+    assert all(r["p50_us"] > 0 and r["p99_us"] >= r["p50_us"] for r in rows.values())
+    assert result["params"]["build"]["trainings"] >= 1
