@@ -26,6 +26,7 @@ on the GPU and the ground truth uploads a chunk of rows at a time. ``--exact non
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import os
 import tempfile
 import time
@@ -64,6 +65,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         " none: skip)")  # fmt: skip
     p.add_argument("--chunk", type=int, default=CHUNK_ROWS,
                    help="rows per add while building (as the sidecar's --load adds)")  # fmt: skip
+    p.add_argument("--clients", type=int, default=0,
+                   help="after the sweep, this many concurrent callers through the "
+                        "sidecar (8 a process), closed loop, at the first nprobe of "
+                        "recall >= 0.95")  # fmt: skip
+    p.add_argument("--duration", type=float, default=5.0,
+                   help="seconds of the concurrent callers' run")  # fmt: skip
     p.add_argument("--no-sidecar", dest="sidecar", action="store_false",
                    help="in-process only (no end-to-end rows)")  # fmt: skip
     p.add_argument("--seed", type=int, default=corpora.SEED, help="the corpus's seed")
@@ -302,7 +309,88 @@ def _through_sidecar(
                     (row["p99_us"], row["recall_at_10"], nprobe)
                 )
             client.close()
+            if args.clients > 0:
+                rows.append(_concurrent(args, sidecar, spec, queries, truth, rows))
     return rows
+
+
+def _concurrent(
+    args: argparse.Namespace,
+    sidecar: Any,
+    spec: str,
+    queries: np.ndarray,
+    truth: np.ndarray,
+    swept: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """``args.clients`` callers (processes of up to 8 threads, a channel each) searching as
+    fast as they can for ``args.duration`` s at the first swept nprobe whose recall through
+    the sidecar reached 0.95 (else the largest): searches a second, latency, and the recall
+    of every answer they got."""
+    reached = [r for r in swept if r["recall_at_10"] >= 0.95] or swept[-1:]
+    nprobe = int(reached[0]["nprobe"])
+    threads = min(8, args.clients)
+    procs = -(-args.clients // threads)
+    ctx = mp.get_context("spawn")  # a clean interpreter: no inherited threads or torch
+    out = ctx.Queue()
+    target = {"name": sidecar.name, "runtime_dir": sidecar.runtime_dir}
+    start_at = time.monotonic() + 3.0  # every process connected by then
+    work = [ctx.Process(target=_caller_process, daemon=True,
+                        args=(target, queries, truth, args.k, nprobe, threads, start_at,
+                              args.duration, out))
+            for _ in range(procs)]  # fmt: skip
+    for w in work:
+        w.start()
+    parts = [out.get(timeout=120 + args.duration) for _ in work]
+    for w in work:
+        w.join(10)
+    lat = np.concatenate([p[0] for p in parts])
+    hits, answers = sum(p[1] for p in parts), sum(p[2] for p in parts)
+    row = summarize("kalos-shm-concurrent", lat, index=spec, nprobe=nprobe)
+    row.update(clients=procs * threads, qps=round(len(lat) / args.duration, 1),
+               recall_at_10=round(hits / max(1, answers * args.k), 5))  # fmt: skip
+    return row
+
+
+def _caller_process(
+    target: dict[str, Any], queries: np.ndarray, truth: np.ndarray, k: int, nprobe: int,
+    threads: int, start_at: float, duration: float, out: Any,
+) -> None:  # fmt: skip
+    """One process of :func:`_concurrent`: ``threads`` callers from ``start_at`` for
+    ``duration`` s; puts (latencies ns, true neighbours found, answers)."""
+    import threading
+
+    import kalos
+
+    client = kalos.connect(target["name"], runtime_dir=target["runtime_dir"], timeout=120)
+    results: list[tuple[list[int], int, int]] = []
+
+    def caller(t: int) -> None:
+        rng = np.random.default_rng(t)
+        client.search(queries[0], k, nprobe=nprobe, payloads=False)  # its channel opened
+        lat, hits, answers = [], 0, 0
+        now = time.monotonic()
+        if now < start_at:
+            time.sleep(start_at - now)
+        end = start_at + duration
+        clock = time.perf_counter_ns
+        while time.monotonic() < end:
+            i = int(rng.integers(len(queries)))
+            t0 = clock()
+            got = client.search(queries[i], k, nprobe=nprobe, payloads=False).ids
+            lat.append(clock() - t0)
+            hits += len(np.intersect1d(got, truth[i, :k]))
+            answers += 1
+        results.append((lat, hits, answers))
+
+    seed = os.getpid() * 64
+    pool = [threading.Thread(target=caller, args=(seed + t,)) for t in range(threads)]
+    for th in pool:
+        th.start()
+    for th in pool:
+        th.join()
+    client.close()
+    out.put((np.array([x for r in results for x in r[0]], np.int64),
+             sum(r[1] for r in results), sum(r[2] for r in results)))  # fmt: skip
 
 
 __all__ = ["SCENARIO", "add_arguments", "ground_truth", "recall_at", "run"]
