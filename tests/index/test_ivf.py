@@ -376,3 +376,49 @@ def test_a_wide_probe_scans_every_row(monkeypatch) -> None:
     assert gathered == []
     index.search(q, 10, nprobe=1)
     assert len(gathered) == 5
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="torch")
+@pytest.mark.parametrize("metric", ["ip", "cosine", "l2"])
+def test_cuda_ivf_single_query_steps_of_the_graphs_agree_with_the_eager_path(metric) -> None:
+    """A single query in the steady state (flushed, no filter) takes the two-graph path on a
+    GPU: the probed lists, then their rows over a fixed power-of-two width with the rest
+    masked. Run eagerly here, it gives the eager path's answer for every nprobe and k, a
+    probe wider than the index included; a write leaves it until the next merge."""
+    index = ivf("cuda", "nlist=16,nprobe=3", metric)
+    x = clustered(3000)
+    index.add(x, np.arange(3000))
+    index.flush()
+    q = clustered(12, seed=41)
+    for nprobe in (1, 3, 16):
+        for k in (1, 10, 100):
+            index.graphs = False
+            want = [index.search(q[i], k, nprobe=nprobe) for i in range(len(q))]
+            index.graphs = True
+            got = [index.search(q[i], k, nprobe=nprobe) for i in range(len(q))]
+            for (ws, wi), (gs, gi) in zip(want, got, strict=True):
+                np.testing.assert_array_equal(gi, wi)
+                np.testing.assert_allclose(gs, ws, rtol=1e-6)
+    assert index._graphs is not None and len(index._graphs._lists) == 3
+    index.add(x[:5] * 0.5, np.arange(5000, 5005))  # in the buffer: the eager path again
+    assert not index._graphs_ok(None)
+    assert_exact(index, q[:1], index.search(q[0], 10, nprobe=16), 10)
+    index.flush()
+    assert index._graphs is None  # dropped by the merge
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="torch")
+@pytest.mark.parametrize(("b", "w", "k"), [(1, 4096, 64), (3, 16384, 10), (2, 8192, 1024),
+                                           (1, 5000, 10), (1, 2048, 64)])  # fmt: skip
+def test_topk_rows_equals_torch_topk(b: int, w: int, k: int) -> None:
+    """The two-step top-k of wide rows: the same values and indices as one torch.topk (rows
+    of distinct values), and the plain topk where the width does not split into groups."""
+    import torch
+
+    from kalos.index.cuda_ivf import topk_rows
+
+    x = torch.randn(b, w, generator=torch.Generator().manual_seed(w + k))
+    want = torch.topk(x, k, dim=1)
+    got = topk_rows(torch, x, k)
+    torch.testing.assert_close(got[0], want.values)
+    torch.testing.assert_close(got[1], want.indices)

@@ -243,6 +243,15 @@ def _run(args: argparse.Namespace) -> int:
         curves.setdefault(f"in-process {spec}", []).append(
             (row["p99_us"], row["recall_at_10"], nprobe)
         )
+    if getattr(index, "graphs", False):
+        # beside the first setting: the same searches with the graphs off (eager launches)
+        index.graphs = False
+        lat, got = _time_searches(lambda q, ix=index, p=sweep[0]: ix.search(q, k, nprobe=p)[1][0],
+                                  queries)  # fmt: skip
+        index.graphs = True
+        row = summarize(f"inprocess-{spec}-eager", lat, index=spec, nprobe=sweep[0])
+        row.update(recall_at_10=round(recall_at(got, truth), 5))
+        rows.append(row)
     build = {"build_s": round(build_s, 2), **held, "chunk_rows": args.chunk,
              "trainings": getattr(index, "trainings", None), "nlist": nlist}  # fmt: skip
     del index

@@ -29,8 +29,11 @@ Search of queries q [nq, dim]: centroid scores (one matmul) -> the ``nprobe`` be
 count, which sizes it) -> those rows gathered and ranked by their products with the query
 (fp16 on a GPU where the products stay in fp16's range, else fp32), masked (removed,
 filtered) -> the best ``max(RERANK_MIN, RERANK_FACTOR * k)`` re-scored in fp32 ->
-``torch.topk``; the buffer's top-k merged in. Scores are exact for the stored fp16 rows (l2:
-the winners' distances recomputed from differences).
+``torch.topk`` (wide rows in two steps: :func:`topk_rows`); the buffer's top-k merged in.
+In the steady state (trained, the buffer empty, no removed sorted row, no filter) a single
+query replays two CUDA graphs instead (:class:`_ProbeGraphs`): eager, its ~30 launches
+cost ~0.7 ms of host time on an H100 host, several times the GPU's work. Scores are exact
+for the stored fp16 rows (l2: the winners' distances recomputed from differences).
 
 Training: k-means on the device (:func:`kmeans`: seeded; a random sample of at most
 ``SAMPLE_ROWS_PER_LIST * nlist`` rows; assignments by fp16 matmuls on a GPU, in chunks), then
@@ -180,6 +183,9 @@ class CudaIvfIndex:
         # the first pass over the probed rows: fp16 products on a GPU (half the traffic of a
         # float32 copy), then the best RERANK_FACTOR * k re-scored in fp32
         self._coarse = torch.float16 if dev.type == "cuda" else torch.float32
+        # single queries in the steady state replay CUDA graphs (_ProbeGraphs); elsewhere
+        # (torch's CPU tensors, in the tests) the same steps run eagerly
+        self.graphs = dev.type == "cuda"
         self.trainings = 0
         self.reset()
 
@@ -200,6 +206,7 @@ class CudaIvfIndex:
         self._buf_lists: Any = torch.empty(0, dtype=torch.int64, device=dev)  # [cap]
         self._n = 0
         self.trained_rows = 0
+        self._graphs: _ProbeGraphs | None = None  # the steady state's single-query graphs
 
     def __len__(self) -> int:
         return self._n
@@ -357,6 +364,7 @@ class CudaIvfIndex:
         self._sizes_t = counts
         self._main_dead = 0
         self._main = merged
+        self._graphs = None  # captured over the old storage
         self._buf = _Part.empty(torch, self.device, self.dim)
         self._buf_lists = torch.empty(0, dtype=torch.int64, device=self.device)
 
@@ -449,10 +457,18 @@ class CudaIvfIndex:
         if matched == 0:
             return out_s, out_i
         kk = min(k, matched)
-        qt = self._torch.from_numpy(q).to(self.device)
         # fp16 first-pass products unless they could leave fp16's range (large vectors, ip/l2)
         qmax = float(np.sqrt(np.einsum("ij,ij->i", q, q).max()))
         coarse = self._coarse if qmax * self._max_norm < _FP16_MAX / 2 else self._torch.float32
+        if nq == 1 and self._graphs_ok(ok_main):
+            if self._graphs is None:
+                self._graphs = _ProbeGraphs(self)
+            scores, ids = self._graphs.search(q, kk, probes, coarse)
+            out_s[:, :kk], out_i[:, :kk] = scores, ids
+            if probes >= self.nlist or not (ids == NO_ID).any():
+                return out_s, out_i
+            # its probed lists held fewer than k rows: the eager path widens the probe
+        qt = self._torch.from_numpy(q).to(self.device)
         pending = np.arange(nq)
         while pending.size:
             scores, ids = self._search_device(qt[pending], kk, ok_main, ok_buf, probes, coarse)
@@ -522,7 +538,6 @@ class CudaIvfIndex:
         """Queries q [nq, dim] fp32 on the device -> host (scores [nq, k], ids [nq, k]), k <=
         the rows allowed; -1 where the probed rows allowed fewer."""
         torch = self._torch
-        nq = q.shape[0]
         parts = []
         if self._centroids is not None and self._main.n:
             parts.append(self._probe(q, k, ok_main, probes, coarse))
@@ -534,31 +549,37 @@ class CudaIvfIndex:
             ids = torch.cat([p[1] for p in parts], dim=1)
             best = torch.topk(scores, k, dim=1).indices
             scores, ids = scores.gather(1, best), ids.gather(1, best)
-        out_s, out_i = scores.cpu().numpy(), ids.cpu().numpy()
-        missing = ~np.isfinite(out_s)  # masked or padded slots (on the host: no launches)
+        return self._finish(q, scores.cpu().numpy(), ids.cpu().numpy())
+
+    def _finish(self, q: Any, out_s: np.ndarray, out_i: np.ndarray) -> tuple[Any, Any]:
+        """The host's part of a result: masked or padded slots (-inf keys) as missing, and
+        for l2 the winners' distances (the keys rank as distances do)."""
+        missing = ~np.isfinite(out_s)  # on the host: no launches
         out_i[missing] = NO_ID
         out_s[missing] = missing_score(self.metric)
-        if self.metric == "l2":  # the keys rank as distances do; report the distances
+        if self.metric == "l2":
             out_s, out_i = self._exact_l2(q, out_s, out_i)
-        return out_s[:nq], out_i[:nq]
+        return out_s, out_i
+
+    def _graphs_ok(self, ok_main: Any) -> bool:
+        """Whether a single query can take :class:`_ProbeGraphs`: ``graphs`` on, trained,
+        nothing in the buffer, no removed sorted row, no filter (``ok_main`` None)."""
+        return (
+            self.graphs
+            and self._centroids is not None
+            and ok_main is None
+            and self._buf.n == 0
+            and self._main.n > 0
+        )
 
     def _probe(self, q: Any, k: int, ok: Any, probes: int, coarse: Any) -> tuple[Any, Any]:
         """The top-k [nq, k] (ranking key, ids; -inf where missing) of the probed lists' rows
         allowed by ok [N] bool (None: every row). ``coarse``: the first pass's dtype."""
         torch = self._torch
-        cscores = q @ self._centroids.T  # [nq, nlist]
-        if self._half_c is not None:
-            cscores -= self._half_c
-        lists = torch.topk(cscores, probes, dim=1).indices  # [nq, P]
-        starts = self._offsets[lists]  # [nq, P]
-        lens = self._sizes_t[lists]
-        ends = lens.cumsum(dim=1)  # [nq, P]: each probed list's end in the query's rows
-        # row j of query i's probed rows lies in its probed list s = the first whose end
-        # exceeds j, at row base[s] + j, base = starts - (ends - lens)
-        base = starts - (ends - lens)
+        ends, base = self._lists_of(q, probes)
         width = int(ends[:, -1].max())  # the one host sync: the widest query's rows
         if width == 0:
-            return _pad(torch, cscores[:, :0], lists[:, :0], k)
+            return _pad(torch, q.new_empty((q.shape[0], 0)), base[:, :0], k)
         if q.shape[0] == 1:  # one query: its rows exactly fill the width, no padding mask
             j = torch.arange(width, device=self.device)
             slot = torch.searchsorted(ends[0], j, right=True)
@@ -579,6 +600,33 @@ class CudaIvfIndex:
             ids_out.append(ids)
         return torch.cat(keys_out), torch.cat(ids_out)
 
+    def _lists_of(self, q: Any, probes: int) -> tuple[Any, Any]:
+        """The probed lists of queries q [nq, dim] as (ends, base) [nq, P] int64: ``ends``
+        the cumulative sizes of each query's probed lists; row j of its probed rows (j <
+        ends[-1]) lies in its list s, the first whose end exceeds j, at main row base[s] + j.
+        No host sync."""
+        torch = self._torch
+        cscores = q @ self._centroids.T  # [nq, nlist]
+        if self._half_c is not None:
+            cscores -= self._half_c
+        lists = topk_rows(torch, cscores, probes)[1]  # [nq, P]
+        lens = self._sizes_t[lists]
+        ends = lens.cumsum(dim=1)
+        return ends, self._offsets[lists] - (ends - lens)
+
+    def _probe_width(
+        self, q: Any, k: int, ends: Any, base: Any, width: int, coarse: Any
+    ) -> tuple[Any, Any]:
+        """One query's top-k [1, k] (key, id) of its probed rows, over a fixed ``width`` >=
+        their count (the rows past it masked): the same answer as :meth:`_probe`'s, with no
+        shape that depends on the data (what a CUDA graph needs)."""
+        torch = self._torch
+        j = torch.arange(width, device=self.device)
+        slot = torch.searchsorted(ends[0], j, right=True).clamp_(max=ends.shape[1] - 1)
+        valid = j < ends[0, -1]
+        rows = torch.where(valid, base[0][slot] + j, 0)[None, :]  # [1, width]
+        return self._rank(q, k, rows, valid[None, :], coarse)
+
     def _rank(self, q: Any, k: int, rows: Any, valid: Any, coarse: Any) -> tuple[Any, Any]:
         """The top-k [b, k] (key, id) of main rows [b, w] (valid [b, w] bool, None: all):
         every row by the first pass in ``coarse``, the best max(RERANK_MIN, RERANK_FACTOR *
@@ -588,7 +636,7 @@ class CudaIvfIndex:
         if valid is not None:
             keys = keys.masked_fill(~valid, -math.inf)
         keep = min(rows.shape[1], max(RERANK_MIN, RERANK_FACTOR * k))
-        cand_keys, cand = torch.topk(keys, keep, dim=1)
+        cand_keys, cand = topk_rows(torch, keys, keep)
         cand_rows = rows.gather(1, cand)
         exact = self._keys(q, cand_rows, torch.float32)
         exact = exact.masked_fill(cand_keys == -math.inf, -math.inf)
@@ -631,11 +679,138 @@ class CudaIvfIndex:
         have = ids != NO_ID
         if have.any():
             vecs[have] = self.reconstruct(ids[have])
-        diff = vecs - q.cpu().numpy()[:, None, :]
+        qh = q if isinstance(q, np.ndarray) else q.cpu().numpy()
+        diff = vecs - qh[:, None, :]
         dist = np.einsum("bkd,bkd->bk", diff, diff).astype(np.float32)
         dist[~have] = np.inf
         order = np.argsort(dist, axis=1, kind="stable")
         return np.take_along_axis(dist, order, 1), np.take_along_axis(ids, order, 1)
+
+
+class _ProbeGraphs:
+    """A single query's search in the steady state (trained, nothing in the buffer, no
+    removed sorted row, no filter) as two CUDA graphs, replayed instead of ~30 eager
+    launches (each ~20 µs of host time on an H100 host: 0.7 ms a search at 2M x 384).
+
+    Graph A (one per nprobe): the query's probed lists (:meth:`CudaIvfIndex._lists_of`) and
+    their row count, copied to pinned host memory. The host reads the count (the one sync)
+    and picks the width: the next power of two at or above it (at least
+    :data:`MIN_WIDTH`). Graph B (one per nprobe, width, k and first-pass dtype): the probed
+    rows over that width (:meth:`CudaIvfIndex._probe_width`, the rows past the count
+    masked), the top-k copied to pinned host memory. The answer is the eager path's.
+
+    Graphs are captured at their first use (a few ms) over the index's storage; a merge
+    drops them (:meth:`CudaIvfIndex._merge`). Each holds its own memory pool: the largest
+    width's scratch is about ``width * (2 * dim + 64)`` bytes."""
+
+    MIN_WIDTH = 1024
+
+    def __init__(self, index: CudaIvfIndex) -> None:
+        torch = index._torch
+        self.index = index
+        self.query = torch.zeros((1, index.dim), dtype=torch.float32, device=index.device)
+        self._cuda = index.device.type == "cuda"
+        self.count = self._host(torch.zeros(1, dtype=torch.int64))
+        self._lists: dict[int, tuple[Any, Any, Any]] = {}  # nprobe -> (graph, ends, base)
+        self._ranked: dict[tuple[int, int, int, Any], tuple[Any, Any, Any]] = {}
+
+    def search(self, q: np.ndarray, k: int, probes: int, coarse: Any) -> tuple[Any, Any]:
+        """(scores [1, k], ids [1, k]) numpy of the query q [1, dim] (checked, cosine rows
+        unit), -1 / missing where fewer rows were probed."""
+        torch = self.index._torch
+        self.query.copy_(torch.from_numpy(q), non_blocking=False)
+        graph, ends, base = self._lists.get(probes) or self._capture_lists(probes)
+        graph.replay()
+        self._sync()
+        width = max(self.MIN_WIDTH, 1 << max(0, int(self.count[0]) - 1).bit_length())
+        key = (probes, width, k, coarse)
+        graph_b, scores, ids = self._ranked.get(key) or self._capture_ranked(key, ends, base)
+        graph_b.replay()
+        self._sync()
+        return self.index._finish(q, scores.numpy().copy(), ids.numpy().copy())
+
+    def _host(self, t: Any) -> Any:
+        """A host tensor for a graph's copies: pinned on a CUDA device."""
+        return t.pin_memory() if self._cuda else t
+
+    def _sync(self) -> None:
+        if self._cuda:
+            self.index._torch.cuda.current_stream(self.index.device).synchronize()
+
+    def _capture(self, run: Any) -> tuple[Any, Any]:
+        """``run()`` once on a side stream (warm-up: the libraries' handles and workspaces),
+        then captured; returns (the graph, what the captured run returned). Off a CUDA
+        device the "graph" runs ``run`` again at each replay."""
+        torch = self.index._torch
+        if not self._cuda:
+            return _Eager(run), run()
+        side = torch.cuda.Stream(self.index.device)
+        side.wait_stream(torch.cuda.current_stream(self.index.device))
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream(self.index.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run()
+        return graph, out
+
+    def _capture_lists(self, probes: int) -> tuple[Any, Any, Any]:
+        torch = self.index._torch
+        ends = torch.zeros((1, probes), dtype=torch.int64, device=self.index.device)
+        base = torch.zeros_like(ends)
+
+        def run() -> None:
+            e, b = self.index._lists_of(self.query, probes)
+            ends.copy_(e)
+            base.copy_(b)
+            self.count.copy_(e[0, -1:], non_blocking=True)
+
+        graph, _ = self._capture(run)
+        self._lists[probes] = (graph, ends, base)
+        return graph, ends, base
+
+    def _capture_ranked(
+        self, key: tuple[int, int, int, Any], ends: Any, base: Any
+    ) -> tuple[Any, Any, Any]:
+        torch = self.index._torch
+        _, width, k, coarse = key
+        scores = self._host(torch.empty((1, k), dtype=torch.float32))
+        ids = self._host(torch.empty((1, k), dtype=torch.int64))
+
+        def run() -> None:
+            best, found = self.index._probe_width(self.query, k, ends, base, width, coarse)
+            scores.copy_(best, non_blocking=True)
+            ids.copy_(found, non_blocking=True)
+
+        graph, _ = self._capture(run)
+        self._ranked[key] = (graph, scores, ids)
+        return graph, scores, ids
+
+
+TOPK_GROUP = 1024
+"""A wide row's top-k is taken in two steps (:func:`topk_rows`): groups of this many."""
+
+
+def topk_rows(torch: Any, x: Any, k: int) -> tuple[Any, Any]:
+    """``torch.topk(x, k, dim=1)`` of x [b, w] (values, indices; sorted), in two steps where
+    w is a multiple of :data:`TOPK_GROUP` of at least 4 groups and k <= a group: the top-k of
+    each group, then of those. One wide row's topk is one thread block (27 µs a call on an
+    H100 at w = 16K-40K); the groups spread over the multiprocessors. Equal values may come
+    in another order than one topk's."""
+    b, w = x.shape
+    if w % TOPK_GROUP or w < 4 * TOPK_GROUP or k > TOPK_GROUP:
+        return torch.topk(x, k, dim=1)
+    vals, idx = torch.topk(x.view(b, w // TOPK_GROUP, TOPK_GROUP), k, dim=2)  # [b, g, k]
+    idx = idx + torch.arange(0, w, TOPK_GROUP, device=x.device)[None, :, None]
+    best, pos = torch.topk(vals.reshape(b, -1), k, dim=1)
+    return best, idx.reshape(b, -1).gather(1, pos)
+
+
+class _Eager:
+    """A stand-in for a CUDA graph off a CUDA device: replay runs the steps again."""
+
+    def __init__(self, run: Any) -> None:
+        self.replay = run
 
 
 def _pad(torch: Any, keys: Any, ids: Any, k: int) -> tuple[Any, Any]:
