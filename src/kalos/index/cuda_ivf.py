@@ -750,7 +750,7 @@ class _ProbeGraphs:
             run()
         torch.cuda.current_stream(self.index.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             out = run()
         return graph, out
 
