@@ -26,6 +26,7 @@ on the GPU and the ground truth uploads a chunk of rows at a time. ``--exact non
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import tempfile
@@ -37,7 +38,13 @@ from threadpoolctl import threadpool_limits
 
 from kalos import index as kindex
 from kalos.bench import corpora
-from kalos.bench.common import load_average, print_table, summarize, write_result
+from kalos.bench.common import (
+    load_average,
+    machine_name,
+    print_table,
+    summarize,
+    write_result,
+)
 from kalos.bench.plots import plot_recall
 from kalos.index.cpu_ivf import suggested_nlist
 from kalos.server.bulk_load import CHUNK_ROWS
@@ -71,6 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "recall >= 0.95")  # fmt: skip
     p.add_argument("--duration", type=float, default=5.0,
                    help="seconds of the concurrent callers' run")  # fmt: skip
+    p.add_argument("--append", action="store_true",
+                   help="add this run's set to the machine's file (another corpus or size) "
+                        "instead of replacing it")  # fmt: skip
     p.add_argument("--no-sidecar", dest="sidecar", action="store_false",
                    help="in-process only (no end-to-end rows)")  # fmt: skip
     p.add_argument("--seed", type=int, default=corpora.SEED, help="the corpus's seed")
@@ -269,8 +279,25 @@ def _run(args: argparse.Namespace) -> int:
         "corpus_info": corpus.info,
     }  # fmt: skip
     checks = {"recall_queries": len(queries), "recall_against": "float32 brute force"}
+    target = os.path.join(args.out, f"{SCENARIO}-{machine_name(args.machine)}.json")
+    previous: list[dict[str, Any]] = []
+    if args.append and os.path.exists(target):
+        with open(target) as f:
+            loaded = json.load(f)
+        same = (corpus.name, n, dim, spec)  # a set of the same parameters is replaced
+        previous = [
+            s for s in (loaded if isinstance(loaded, list) else [loaded])
+            if (s["params"]["corpus"], s["params"]["n"], s["params"]["dim"],
+                s["params"]["index"]) != same
+        ]  # fmt: skip
     path = write_result(SCENARIO, args.machine, params, rows, args.out, checks=checks,
                         load_average=load_average())  # fmt: skip
+    if previous:
+        with open(path) as f:
+            doc = [*previous, json.load(f)]
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=2)
+            f.write("\n")
     print(f"wrote {path}")
     png = plot_recall(
         path, curves, title=f"search-ann: {corpus.name} {n:,} x {dim}, {spec}, top-{k}"
