@@ -422,3 +422,39 @@ def test_topk_rows_equals_torch_topk(b: int, w: int, k: int) -> None:
     got = topk_rows(torch, x, k)
     torch.testing.assert_close(got[0], want.values)
     torch.testing.assert_close(got[1], want.indices)
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="torch")
+def test_cuda_ivf_drops_graphs_whose_first_answer_disagrees(monkeypatch, caplog) -> None:
+    """A newly captured graph's first answer is checked against the same steps run eagerly;
+    one that differs (here a replay that spoils its ids) is dropped with a warning, the
+    search answers from the eager path, and the index stays eager."""
+    from kalos.index import cuda_ivf
+
+    index = ivf("cuda", "nlist=16,nprobe=3")
+    x = clustered(3000)
+    index.add(x, np.arange(3000))
+    index.flush()
+    q = clustered(1, seed=43)
+    index.graphs = False
+    want = index.search(q[0], 10)
+    real = cuda_ivf._ProbeGraphs._capture_ranked
+
+    def spoiled(self, key, ends, base):
+        graph, scores, ids = real(self, key, ends, base)
+        run = graph.replay
+
+        def replay() -> None:
+            run()
+            ids.fill_(7)
+
+        graph.replay = replay
+        return graph, scores, ids
+
+    monkeypatch.setattr(cuda_ivf._ProbeGraphs, "_capture_ranked", spoiled)
+    index.graphs = True
+    with caplog.at_level("WARNING", logger="kalos.index.cuda_ivf"):
+        got = index.search(q[0], 10)
+    np.testing.assert_array_equal(got[1], want[1])
+    assert index.graphs is False and index._graphs is None
+    assert "eager launches from now on" in caplog.text

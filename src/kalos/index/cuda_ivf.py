@@ -42,6 +42,7 @@ every row assigned to its list in chunks and the main rows sorted by list.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -70,6 +71,8 @@ from .cpu_ivf import (
     parse_ivf_options,
     train_size,
 )
+
+log = logging.getLogger(__name__)
 
 _FP16_MAX = 65504.0
 MERGE_MIN_ROWS = 1 << 16
@@ -463,10 +466,15 @@ class CudaIvfIndex:
         if nq == 1 and self._graphs_ok(ok_main):
             if self._graphs is None:
                 self._graphs = _ProbeGraphs(self)
-            scores, ids = self._graphs.search(q, kk, probes, coarse)
-            out_s[:, :kk], out_i[:, :kk] = scores, ids
-            if probes >= self.nlist or not (ids == NO_ID).any():
-                return out_s, out_i
+            try:
+                scores, ids = self._graphs.search(q, kk, probes, coarse)
+            except (RuntimeError, GraphMismatch) as exc:  # a capture that failed or disagreed
+                log.warning("cuda:ivf: eager launches from now on (CUDA graphs: %s)", exc)
+                self.graphs, self._graphs = False, None
+            else:
+                out_s[:, :kk], out_i[:, :kk] = scores, ids
+                if probes >= self.nlist or not (ids == NO_ID).any():
+                    return out_s, out_i
             # its probed lists held fewer than k rows: the eager path widens the probe
         qt = self._torch.from_numpy(q).to(self.device)
         pending = np.arange(nq)
@@ -724,9 +732,14 @@ class _ProbeGraphs:
         self._sync()
         width = max(self.MIN_WIDTH, 1 << max(0, int(self.count[0]) - 1).bit_length())
         key = (probes, width, k, coarse)
+        new = key not in self._ranked
         graph_b, scores, ids = self._ranked.get(key) or self._capture_ranked(key, ends, base)
         graph_b.replay()
         self._sync()
+        if new:  # a new capture's first answer is checked against the same steps, eager
+            _, found = self.index._probe_width(self.query, k, ends, base, width, coarse)
+            if not torch.equal(found.cpu(), ids):
+                raise GraphMismatch(f"nprobe {probes}, width {width}, k {k}")
         return self.index._finish(q, scores.numpy().copy(), ids.numpy().copy())
 
     def _host(self, t: Any) -> Any:
@@ -804,6 +817,11 @@ def topk_rows(torch: Any, x: Any, k: int) -> tuple[Any, Any]:
     idx = idx + torch.arange(0, w, TOPK_GROUP, device=x.device)[None, :, None]
     best, pos = torch.topk(vals.reshape(b, -1), k, dim=1)
     return best, idx.reshape(b, -1).gather(1, pos)
+
+
+class GraphMismatch(Exception):
+    """A newly captured graph's first answer differed from the same steps run eagerly: the
+    index drops its graphs and stays eager (a warning says so)."""
 
 
 class _Eager:
