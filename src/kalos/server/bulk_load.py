@@ -40,6 +40,7 @@ import numpy as np
 
 from kalos.errors import ConfigError, InvalidRequest
 from kalos.protocol import codes
+from kalos.stores.memories import MemoryStore
 from kalos.types import Scope
 
 log = logging.getLogger("kalos.server")
@@ -131,7 +132,7 @@ def _payload_chunk(
     return kinds, offsets, np.frombuffer(b"".join(parts), np.uint8)
 
 
-def load_into(memories: object, files: LoadFiles) -> int:
+def load_into(memories: MemoryStore, files: LoadFiles) -> int:
     """Upserts every row of ``files`` into the memory store, CHUNK_ROWS at a time; returns
     the rows read. ConfigError naming the file and row for bad values."""
     t0 = time.perf_counter()
@@ -154,7 +155,7 @@ def load_into(memories: object, files: LoadFiles) -> int:
                 offsets = np.zeros(hi - lo + 1, np.uint64)
                 blob = np.empty(0, np.uint8)
             try:
-                memories.add(ids, x, kinds, offsets, blob, Scope())  # type: ignore[attr-defined]
+                memories.add(ids, x, kinds, offsets, blob, Scope())
             except InvalidRequest as exc:
                 raise ConfigError(f"--load rows {lo}..{hi - 1}: {exc}") from None
     finally:
