@@ -12,7 +12,6 @@ import itertools
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -22,7 +21,7 @@ import numpy as np
 import pytest
 
 import kalos
-from kalos.testing_postgres import PostgresServer, postgres_server, unavailable
+from kalos.testing_postgres import PostgresServer, unavailable
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 
@@ -35,21 +34,9 @@ def vector(item: int) -> np.ndarray:
     return np.random.default_rng(item).standard_normal(DIM).astype(np.float32)
 
 
-@pytest.fixture(scope="module")
-def pg() -> Iterator[PostgresServer]:
-    with postgres_server() as server:
-        yield server
-
-
 @pytest.fixture
 def source(pg: PostgresServer) -> str:
     return pg.create_database(f"kalos_{os.getpid()}_{next(_db_names)}")
-
-
-@pytest.fixture
-def runtime_dir() -> Iterator[str]:
-    with tempfile.TemporaryDirectory(prefix="kalos-") as path:
-        yield path
 
 
 @contextlib.contextmanager
