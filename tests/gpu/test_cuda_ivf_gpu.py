@@ -99,3 +99,24 @@ def test_a_cuda_sidecar_serves_cuda_ivf_with_a_bulk_load(tmp_path) -> None:
         assert recall(one, want) < recall(full, want)
         assert recall(full, want) >= 0.99  # fp16 rows: near-ties may swap
     torch.cuda.synchronize()
+
+
+def test_single_queries_replay_graphs_that_answer_as_the_eager_steps() -> None:
+    x = clustered(200_000, 7)
+    index = create("cuda:ivf,nlist=512,nprobe=16", dim=DIM)
+    index.add(x, np.arange(len(x)))
+    index.flush()
+    q = clustered(64, 8)
+    graphed = [index.search(q[i], 10, nprobe=p) for p in (1, 16, 64) for i in range(len(q))]
+    assert index.graphs and index._graphs is not None  # captured, checked, still in use
+    assert len(index._graphs._lists) == 3
+    index.graphs = False
+    eager = [index.search(q[i], 10, nprobe=p) for p in (1, 16, 64) for i in range(len(q))]
+    for (gs, gi), (es, ei) in zip(graphed, eager, strict=True):
+        np.testing.assert_array_equal(gi, ei)
+        np.testing.assert_allclose(gs, es, rtol=1e-6)
+    # a write drops out of the graphs' steady state; the next merge recaptures
+    index.graphs = True
+    index.add(clustered(10, 9), np.arange(len(x), len(x) + 10))
+    got = index.search(q[0], 10, nprobe=512)
+    assert got[1].shape == (1, 10) and index.graphs

@@ -116,7 +116,7 @@ def test_search_many_bad_members_fail_alone() -> None:
 def test_a_failing_pass_falls_back_to_each_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     store, items = make_store("ip")
 
-    def broken(members: object) -> None:
+    def broken(members: object, **_: object) -> None:
         raise RuntimeError("the shared pass failed")
 
     monkeypatch.setattr(store.index, "search_many", broken)
@@ -174,6 +174,40 @@ def test_handle_batch_answers_each_member_exactly(metric: str) -> None:
             r = M.decode_search_response(out, n)
             check_search((r.scores, r.ids), items, q, k, metric, filter_of(store, s))
     assert d.errors == 3
+
+
+def test_a_batch_with_several_probe_counts_answers_each_as_alone() -> None:
+    """Searches that set their own nprobe join a batch: one pass per probe count, each
+    member's answer what the same search alone returns."""
+    store, _ = make_store("ip", "cpu:ivf,nlist=16,nprobe=2")
+    store.index.train()
+    d = Dispatcher(store)
+    rng = np.random.default_rng(3)
+    queries = rng.standard_normal((9, DIM)).astype(np.float32)
+    probes = [0, 1, 16, 1, 0, 4, 16, 4, 1]
+    reqs = []
+    for q, p in zip(queries, probes, strict=True):
+        buf = np.zeros(1 << 12, np.uint8)
+        n = M.encode_search(buf, q[None], 5, M.EMPTY_SCOPE, nprobe=p)
+        flags = codes.SEARCH_NPROBE if p else 0
+        assert batchable(Op.SEARCH, flags)
+        reqs.append((int(Op.SEARCH), flags, buf[:n].copy(), np.zeros(1 << 12, np.uint8)))
+    calls = []
+    many = store.index.search_many
+
+    def counted(members: list, *, nprobe: int = 0) -> list:
+        calls.append((len(members), nprobe))
+        return many(members, nprobe=nprobe)
+
+    store.index.search_many = counted  # type: ignore[method-assign]
+    results = d.handle_batch(reqs)
+    assert sorted(calls) == [(2, 0), (2, 4), (2, 16), (3, 1)]
+    for (_, _, _, out), (status, n, *_), q, p in zip(reqs, results, queries, probes, strict=True):
+        assert status == Status.OK
+        r = M.decode_search_response(out, n)
+        want = store.search(q[None], 5, None, nprobe=p)
+        np.testing.assert_array_equal(r.ids, want[1])
+        np.testing.assert_allclose(r.scores, want[0], rtol=1e-6)
 
 
 def test_batchable_ops() -> None:

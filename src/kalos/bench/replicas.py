@@ -51,6 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="load Kalos's own table, or mirror a table with real[] or bytea vectors",
     )
     p.add_argument("--bootstrap-only", action="store_true", help="skip the replicas part")
+    p.add_argument("--bootstrap-device", default="cpu",
+                   help="the bootstrapped sidecar's --device (cuda: a GPU sidecar)")  # fmt: skip
 
 
 def _vectors(n: int, dim: int, seed: int) -> np.ndarray:
@@ -151,7 +153,7 @@ def _resident_peak_mib(pid: int) -> float | None:
     return None
 
 
-def _bootstrap(pg: Any, dim: int, rows: int, table: str) -> dict[str, Any]:
+def _bootstrap(pg: Any, dim: int, rows: int, table: str, device: str) -> dict[str, Any]:
     import psycopg
 
     conninfo = pg.create_database("kalos_bootstrap")
@@ -182,6 +184,7 @@ def _bootstrap(pg: Any, dim: int, rows: int, table: str) -> dict[str, Any]:
             name = target.split()[0]
             found = conn.execute(f"SELECT pg_total_relation_size('{name}')").fetchone()
             size = int(found[0]) if found else 0
+        extra += ("--device", device)
         t0 = time.perf_counter()
         with isolated_sidecar(dim=dim, name="bench-boot", extra_args=extra) as sc:
             wait_ready(sc.socket, sc.process, timeout=3600)  # the load runs before readiness
@@ -202,6 +205,8 @@ def _bootstrap(pg: Any, dim: int, rows: int, table: str) -> dict[str, Any]:
         "start_to_ready_s": round(ready_s, 2),
         "bootstrap_s": src.get("bootstrap_s"),
         "rows_per_s": round(rows / src["bootstrap_s"]) if src.get("bootstrap_s") else None,
+        "device": device,
+        "gpu_warm_s": round(stats["warm_seconds"], 2) if stats.get("warm_seconds") else None,
         "sidecar_peak_rss_mib": peak,
     }
 
@@ -214,12 +219,17 @@ def run(args: argparse.Namespace) -> int:
     boot_dim = args.bootstrap_dim or args.dim
     with postgres_server() as pg:
         if args.bootstrap_only:
-            boot = _bootstrap(pg, boot_dim, args.bootstrap_rows, args.bootstrap_table)
+            boot = _bootstrap(
+                pg, boot_dim, args.bootstrap_rows, args.bootstrap_table, args.bootstrap_device
+            )
             print(f"bootstrap: {boot}")
             params = {"postgres": "local server, Unix socket, fsync on", "transport": "shm"}
             suffix = f"bootstrap-{args.bootstrap_rows}x{boot_dim}"
             if args.bootstrap_table != "kalos_memories":
                 suffix += "-" + args.bootstrap_table.replace("[]", "-array")
+            if args.bootstrap_device != "cpu":
+                suffix += "-" + args.bootstrap_device.replace(":", "")
+                params["device"] = args.bootstrap_device
             checks = {"all_loaded": boot["items_loaded"] == args.bootstrap_rows}
             path = write_result(SCENARIO, args.machine, params, [boot], args.out, suffix=suffix,
                                 checks=checks)  # fmt: skip
@@ -276,7 +286,11 @@ def run(args: argparse.Namespace) -> int:
                 for c in clients:
                     c.close()
         if args.bootstrap_rows:
-            rows.append(_bootstrap(pg, boot_dim, args.bootstrap_rows, args.bootstrap_table))
+            rows.append(
+                _bootstrap(
+                    pg, boot_dim, args.bootstrap_rows, args.bootstrap_table, args.bootstrap_device
+                )
+            )
             print(f"bootstrap: {rows[-1]}")
     print_table(rows, ("system", "n", "p50_us", "p99_us", "qps"))
     params = {

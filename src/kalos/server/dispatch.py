@@ -90,10 +90,10 @@ _encode_context_tokens_response = M.encode_context_tokens_response
 def batchable(op: int, flags: int) -> bool:
     """Whether a request may join a batch (Dispatcher.handle_batch): a search or a recall
     whose results come back in the response (not into a GPU buffer), without a metadata
-    filter (a filtered search runs alone: its rows are its own) and with the index's own
-    nprobe (one that sets its own runs alone)."""
+    filter (a filtered search runs alone: its rows are its own). Searches with their own
+    nprobe join too: the batch runs as one pass per probe count."""
     if op == _SEARCH:
-        return not flags & (_SEARCH_ON_GPU | _SEARCH_FILTERED | codes.SEARCH_NPROBE)
+        return not flags & (_SEARCH_ON_GPU | _SEARCH_FILTERED)
     if op == _RECALL:
         return not flags & (_RECALL_GPU | _RECALL_FILTER)
     return False
@@ -235,8 +235,10 @@ class Dispatcher:
         self.now_ns = _time_ns()
         self.gpu_buffer = self.pinned = self.reader = None
         results: list[tuple[int, int, int, int] | None] = [None] * len(members)
-        # (member, its finish: hits and search ns -> (response length, write at), queries, k, scope)
-        jobs: list[tuple[int, Callable[[Any, int], tuple[int, int]], np.ndarray, int, Any]] = []
+        # (member, its finish: hits and search ns -> (response length, write at), queries, k,
+        # scope, nprobe)
+        jobs: list[tuple[int, Callable[[Any, int], tuple[int, int]], np.ndarray, int, Any, int]]
+        jobs = []
         for i, (op, flags, body, out) in enumerate(members):
             self.requests[op] += 1
             try:
@@ -244,7 +246,9 @@ class Dispatcher:
             except Exception as exc:
                 results[i] = self._failure(op, exc, out, t0)
         t1 = _monotonic_ns()
-        hits = self.memories.search_many([(q, k, scope) for _, _, q, k, scope in jobs])
+        hits = self.memories.search_many(
+            [(q, k, scope) for _, _, q, k, scope, _ in jobs], nprobes=[p for *_, p in jobs]
+        )
         search_ns = _monotonic_ns() - t1
         for (i, finish, *_), hit in zip(jobs, hits, strict=True):
             out = members[i][3]
@@ -263,9 +267,9 @@ class Dispatcher:
 
     def _batch_job(
         self, op: int, flags: int, body: np.ndarray, out: np.ndarray
-    ) -> tuple[Callable[[Any, int], tuple[int, int]], np.ndarray, int, Any]:
+    ) -> tuple[Callable[[Any, int], tuple[int, int]], np.ndarray, int, Any, int]:
         """A batch member decoded: (what writes its response from its hits, queries, k,
-        scope)."""
+        scope, nprobe)."""
         if op == Op.RECALL:
             req_r = M.decode_recall(body, len(body))
             start = recall_start(self.sessions, req_r, now=self.now_ns * 1e-9)
@@ -276,8 +280,8 @@ class Dispatcher:
                 )
                 return self._recall_response(out, plan, None)
 
-            return finish_recall, start.query, start.k, start.scope
-        req = M.decode_search(body, len(body))
+            return finish_recall, start.query, start.k, start.scope, 0
+        req = M.decode_search(body, len(body), flags=flags & codes.SEARCH_NPROBE)
         if flags & codes.SEARCH_WANT_PAYLOADS:
 
             def finish_payloads(hit: Any, search_ns: int) -> tuple[int, int]:
@@ -285,7 +289,7 @@ class Dispatcher:
                 payloads = self.memories.payloads(hit[1])
                 return M.encode_search_response(out, hit[0], hit[1], payloads), t
 
-            return finish_payloads, req.queries, req.k, req.scope
+            return finish_payloads, req.queries, req.k, req.scope, req.nprobe
         codes.check_k(req.k)  # a bad k is INVALID_REQUEST, before its response's size is judged
         n, scores, ids = M.search_response_views(out, len(req.queries), req.k)
 
@@ -294,7 +298,7 @@ class Dispatcher:
             ids[...] = hit[1]
             return n, 0
 
-        return finish_search, req.queries, req.k, req.scope
+        return finish_search, req.queries, req.k, req.scope, req.nprobe
 
     def _failure(
         self, op: int, exc: Exception, out: np.ndarray, t0: int

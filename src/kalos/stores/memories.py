@@ -379,7 +379,9 @@ class MemoryStore:
         return mirror.matching(where)
 
     def search_many(
-        self, members: Sequence[tuple[np.ndarray, int, Scope | None]]
+        self,
+        members: Sequence[tuple[np.ndarray, int, Scope | None]],
+        nprobes: Sequence[int] | None = None,
     ) -> list[tuple[np.ndarray, np.ndarray] | Exception]:
         """Several searches in one pass over the index (the sidecar's dynamic batching),
         each ``(queries [nq, dim], k, scope)``; returns, in order, each one's ``(scores, ids)``
@@ -387,7 +389,9 @@ class MemoryStore:
         alone would have raised: a bad member fails only itself. On a CPU index one BLAS
         product serves the batch (:meth:`Index.search_many`); on a GPU index the members of
         one scope filter share one batched kernel call, at the largest of their k, and each
-        keeps its own first k (the same top-k: the ranking is the same)."""
+        keeps its own first k (the same top-k: the ranking is the same). ``nprobes``: each
+        member's probe count, as :meth:`search`'s ``nprobe`` (None: the index's own); an
+        approximate index takes one pass per distinct count."""
         results: list[tuple[np.ndarray, np.ndarray] | Exception | None] = [None] * len(members)
         todo: list[tuple[int, np.ndarray, int, tuple[int, int, int] | None]] = []
         for i, (queries, k, scope) in enumerate(members):
@@ -403,27 +407,44 @@ class MemoryStore:
             if self.gpu is not None:
                 found = self._gpu_many(self.gpu, todo)
             elif todo:
-                found = list(self.index.search_many([(q, k, f) for _, q, k, f in todo]))
+                found = self._index_many(todo, nprobes)
         except Exception:  # whichever member caused it: each alone, so it fails only itself
             found = None
         if found is None:
             found = []
-            for _, q, k, f in todo:
+            for i, q, k, f in todo:
                 try:
-                    found.append(self._search_alone(q, k, f))
+                    found.append(self._search_alone(q, k, f, nprobes[i] if nprobes else 0))
                 except Exception as exc:
                     found.append(exc)
         for (i, *_), hit in zip(todo, found, strict=True):
             results[i] = hit
         return results  # type: ignore[return-value]
 
+    def _index_many(
+        self,
+        todo: list[tuple[int, np.ndarray, int, tuple[int, int, int] | None]],
+        nprobes: Sequence[int] | None,
+    ) -> list[tuple[np.ndarray, np.ndarray] | Exception]:
+        """The index's share of :meth:`search_many`: one ``Index.search_many`` per distinct
+        probe count, the answers back in ``todo``'s order."""
+        found: list[tuple[np.ndarray, np.ndarray] | Exception | None] = [None] * len(todo)
+        groups: dict[int, list[int]] = {}
+        for j, (i, *_) in enumerate(todo):
+            groups.setdefault(nprobes[i] if nprobes else 0, []).append(j)
+        for nprobe, js in groups.items():
+            hits = self.index.search_many([todo[j][1:] for j in js], nprobe=nprobe)
+            for j, hit in zip(js, hits, strict=True):
+                found[j] = hit
+        return found  # type: ignore[return-value]
+
     def _search_alone(
-        self, queries: np.ndarray, k: int, filt: tuple[int, int, int] | None
+        self, queries: np.ndarray, k: int, filt: tuple[int, int, int] | None, nprobe: int = 0
     ) -> tuple[np.ndarray, np.ndarray]:
         if self.gpu is not None:
             scores, ids = self.gpu.search(queries, k, filt)
             return scores.copy(), ids.copy()  # GPU staging is reused: own them
-        return self.index.search(queries, k, scope=filt)
+        return self.index.search(queries, k, scope=filt, nprobe=nprobe)
 
     def _gpu_many(
         self, gpu: GpuSearcher, todo: list[tuple[int, np.ndarray, int, tuple[int, int, int] | None]]
