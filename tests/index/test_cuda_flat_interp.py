@@ -608,6 +608,34 @@ def test_validation_errors():
     assert idx.search(x[0], 1)[1].shape == (1, 1)  # a 1-D query is a batch of one
 
 
+@pytest.mark.parametrize("metric", ["ip", "cosine"])
+def test_host_arrays_are_checked_as_device_tensors_are(metric):
+    """Small host arrays (queries) are validated on the host, before one upload; tensors
+    and large arrays on the device: both refuse the same inputs and give the same rows."""
+    idx = make_index(metric, "fp16", 64, "cpu")
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((3, 64)) * 7).astype(np.float32)
+    bad = {
+        "NaN or inf": np.where(np.arange(64) == 5, np.nan, x[0]).astype(np.float32)[None],
+        "must be \\[n, 64\\]": x[:, :63],
+    }
+    if metric == "ip":
+        bad["fp16's range"] = x * 1e5
+    for message, v in bad.items():
+        for given in (v, torch.from_numpy(np.ascontiguousarray(v))):
+            with pytest.raises(InvalidRequest, match=message):
+                idx._vectors_in(given, "vectors")
+            if "fp16" in message:
+                with pytest.raises(InvalidRequest, match="query values exceed fp16"):
+                    idx.device_queries(given)
+    host = idx._vectors_in(x, "vectors")
+    device = idx._vectors_in(torch.from_numpy(x), "vectors")
+    np.testing.assert_allclose(host.numpy(), device.numpy(), rtol=1e-6, atol=1e-7)
+    assert idx._vectors_in(x[0], "q").shape == (1, 64)
+    with pytest.raises(InvalidRequest, match="numeric"):
+        idx._vectors_in(np.array([["a"] * 64]), "queries")
+
+
 def test_reference_helper_sanity():
     # the checker must be able to fail: a wrong answer is caught
     rng = np.random.default_rng(8)

@@ -97,6 +97,16 @@ def parse_spec(spec: str) -> tuple[str, str, str]:
     return device, dtype, scan
 
 
+_HOST_CHECKED = 1 << 16
+"""Host arrays (queries, small adds) of up to this many values are checked on the host."""
+
+
+def _fp16_range(what: str, stored: bool) -> str:
+    if stored:
+        return f"{what} exceed fp16's range (65504): use bf16 or fp32 storage"
+    return "query values exceed fp16's range (65504)"
+
+
 ALLOW_GATHER_BELOW = 1 / 16
 """A search restricted to fewer than this share of the rows (``allow``) gathers them; one
 restricted to more scans every row with a row mask (the scope filter's, in the kernel)."""
@@ -503,11 +513,8 @@ class CudaFlatIndex:
         as it checks them (numeric, finite, within fp16's range for fp16 storage, except
         cosine, whose kernels search with the unit query) -> float32 [nq, dim] on this
         device, what :meth:`search_device` takes. Synchronises (the checks)."""
-        q = self._vectors_in(queries, "queries", normalise=False)
-        fp16_query = self.metric != "cosine" and self.dtype == "fp16" and q.numel()
-        if fp16_query and float(q.abs().max()) > _FP16_MAX:
-            raise InvalidRequest("query values exceed fp16's range (65504)")
-        return q
+        fp16_query = self.metric != "cosine" and self.dtype == "fp16"
+        return self._vectors_in(queries, "queries", normalise=False, fp16_check=fp16_query)
 
     def device_scope(self, scope: Any) -> Any:
         """A scope filter as :meth:`search` takes it -> an int64 [3] tensor on this device,
@@ -932,10 +939,17 @@ class CudaFlatIndex:
 
     # ------------------------------------------------------------------------------ inputs
 
-    def _vectors_in(self, v: Any, what: str, normalise: bool = True) -> Any:
+    def _vectors_in(
+        self, v: Any, what: str, normalise: bool = True, fp16_check: bool | None = None
+    ) -> Any:
         """-> float32 [n, dim] torch tensor on the device; validated; unit rows for cosine
-        (when ``normalise``)."""
+        (when ``normalise``); values within fp16's range where ``fp16_check`` (default: when
+        ``normalise`` and the storage is fp16). Host arrays of up to :data:`_HOST_CHECKED`
+        values (queries) are checked on the host, before their one upload: no device
+        reductions, no syncs."""
         torch = self._torch
+        if fp16_check is None:
+            fp16_check = normalise and self.dtype == "fp16"
         if isinstance(v, torch.Tensor):
             t = v.detach()
             if not (t.is_floating_point()):
@@ -945,19 +959,41 @@ class CudaFlatIndex:
             a = np.asarray(v)
             if a.dtype.kind not in "fiu":
                 raise InvalidRequest(f"{what} must be numeric, got {a.dtype}")
-            t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(self.device)
+            a = np.ascontiguousarray(a, dtype=np.float32)
+            if a.size <= _HOST_CHECKED:
+                a = self._checked_on_host(a.reshape(1, -1) if a.ndim == 1 else a, what,
+                                          normalise, fp16_check)  # fmt: skip
+                return torch.from_numpy(a).to(self.device)
+            t = torch.from_numpy(a).to(self.device)
         if t.dim() == 1:
             t = t.unsqueeze(0)
-        if t.dim() != 2 or t.shape[1] != self.dim:
-            raise InvalidRequest(f"{what} must be [n, {self.dim}], got {tuple(t.shape)}")
+        self._check_shape(tuple(t.shape), what)
         if t.numel() and not bool(torch.isfinite(t).all()):
             raise InvalidRequest(f"{what} contain NaN or inf")
         if normalise and self.metric == "cosine" and t.numel():
             nrm = t.norm(dim=1, keepdim=True)
             t = t / torch.where(nrm > 0, nrm, torch.ones_like(nrm))
-        if normalise and self.dtype == "fp16" and t.numel() and float(t.abs().max()) > _FP16_MAX:
-            raise InvalidRequest(f"{what} exceed fp16's range (65504): use bf16 or fp32 storage")
+        if fp16_check and t.numel() and float(t.abs().max()) > _FP16_MAX:
+            raise InvalidRequest(_fp16_range(what, normalise))
         return t.contiguous()
+
+    def _check_shape(self, shape: tuple[int, ...], what: str) -> None:
+        if len(shape) != 2 or shape[1] != self.dim:
+            raise InvalidRequest(f"{what} must be [n, {self.dim}], got {shape}")
+
+    def _checked_on_host(
+        self, a: np.ndarray, what: str, normalise: bool, fp16_check: bool
+    ) -> np.ndarray:
+        """:meth:`_vectors_in`'s checks of a small float32 host array, on the host."""
+        self._check_shape(a.shape, what)
+        if a.size and not np.isfinite(a).all():
+            raise InvalidRequest(f"{what} contain NaN or inf")
+        if normalise and self.metric == "cosine" and a.size:
+            nrm = np.linalg.norm(a, axis=1, keepdims=True)
+            a = a / np.where(nrm > 0, nrm, np.float32(1))
+        if fp16_check and a.size and float(np.abs(a).max()) > _FP16_MAX:
+            raise InvalidRequest(_fp16_range(what, normalise))
+        return np.ascontiguousarray(a, dtype=np.float32)
 
     def __repr__(self) -> str:
         return (
