@@ -223,7 +223,8 @@ def run(args: argparse.Namespace) -> int:
                 pg, boot_dim, args.bootstrap_rows, args.bootstrap_table, args.bootstrap_device
             )
             print(f"bootstrap: {boot}")
-            params = {"postgres": "local server, Unix socket, fsync on", "transport": "shm"}
+            params = {"postgres": "local server, Unix socket, fsync on", "transport": "shm",
+                      "bootstrap_only": True, "bootstrap_table": args.bootstrap_table}  # fmt: skip
             suffix = f"bootstrap-{args.bootstrap_rows}x{boot_dim}"
             if args.bootstrap_table != "kalos_memories":
                 suffix += "-" + args.bootstrap_table.replace("[]", "-array")
