@@ -237,6 +237,7 @@ def check_search(
         scopes = np.array([items[int(i)][1] for i in all_ids], dtype=np.int64).reshape(-1, 3)
         keep = scope_matches(scopes, scope)
         all_ids, vecs = all_ids[keep], vecs[keep]
+    pos = {int(i): p for p, i in enumerate(all_ids)}
     for row in range(nq):
         kk = min(k, all_ids.shape[0])
         assert (ids[row, kk:] == -1).all(), "fewer than k matches: the tail must be -1"
@@ -251,7 +252,6 @@ def check_search(
         got_ids = ids[row, :kk]
         assert (got_ids != -1).all(), "returned -1 although enough items match"
         assert len(set(got_ids.tolist())) == kk, "an id came back twice"
-        pos = {int(i): p for p, i in enumerate(all_ids)}
         assert all(int(i) in pos for i in got_ids), "returned an id that is gone or out of scope"
         got_ref = want[[pos[int(i)] for i in got_ids]]
         np.testing.assert_allclose(scores[row, :kk], got_ref, rtol=rtol, atol=atol)

@@ -64,11 +64,12 @@ def test_recall_and_every_list_exact_at_200k(metric: str) -> None:
     assert recall(index.search(q, 10)[1], want) >= 0.9
     for i in range(0, 200, 40):  # one query at a time: the path without a padding mask
         assert recall(index.search(q[i], 10)[1], want[i : i + 1]) >= 0.5
-    check_search(index.search(q, 10, nprobe=512), items_of(index), q, 10, metric, rtol=2e-3)
+    few = q[:20]  # the reference checks score every row in float64: 20 queries suffice
+    check_search(index.search(few, 10, nprobe=512), items_of(index), few, 10, metric, rtol=2e-3)
     index.remove(np.arange(0, len(x), 3))
     got = index.search(q, 10, nprobe=512)
     assert not (np.isin(got[1], np.arange(0, len(x), 3))).any()
-    check_search(got, items_of(index), q, 10, metric, rtol=2e-3)
+    check_search((got[0][:20], got[1][:20]), items_of(index), few, 10, metric, rtol=2e-3)
 
 
 def test_large_vectors_rank_in_fp32_first() -> None:
