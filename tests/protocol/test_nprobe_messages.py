@@ -54,9 +54,10 @@ def test_a_truncated_nprobe_section_is_invalid() -> None:
         M.decode_search(buf, n - 8, flags=codes.SEARCH_NPROBE)
 
 
-def test_a_search_with_its_own_nprobe_runs_alone() -> None:
+def test_a_search_with_its_own_nprobe_joins_batches() -> None:
     assert batchable(codes.Op.SEARCH, 0)
-    assert not batchable(codes.Op.SEARCH, codes.SEARCH_NPROBE)
+    assert batchable(codes.Op.SEARCH, codes.SEARCH_NPROBE)
+    assert not batchable(codes.Op.SEARCH, codes.SEARCH_NPROBE | codes.SEARCH_FILTER)
 
 
 @pytest.mark.parametrize("bad", [-1, 2**32, 1.0, True, "8", None])
