@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from kalos.bench.search_ann import ground_truth, recall_at
 from kalos.cli import build_parser
@@ -54,3 +55,16 @@ def test_the_bench_sweeps_nprobe_in_process_and_through_a_sidecar(tmp_path) -> N
     assert rows[("kalos-shm", 32)]["recall_at_10"] == 1.0
     assert all(r["p50_us"] > 0 and r["p99_us"] >= r["p50_us"] for r in rows.values())
     assert result["params"]["build"]["trainings"] >= 1
+
+
+def test_the_profile_records_where_a_search_spends_its_time(tmp_path) -> None:
+    pytest.importorskip("torch")
+    args = build_parser().parse_args(
+        ["bench", "search-ann", "--n", "3000", "--queries", "20", "--nlist", "16",
+         "--nprobe", "4", "--exact", "none", "--no-sidecar", "--profile", "--out",
+         str(tmp_path), "--machine", "test", "--quiet"]
+    )  # fmt: skip
+    assert args.func(args) == 0
+    profile = json.loads((tmp_path / "search-ann-test.json").read_text())["params"]["profile"]
+    assert profile["nprobe"] == 4 and profile["searches"] == 200
+    assert profile["wall_us"] > 0 and isinstance(profile["host_us"], dict)

@@ -83,6 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "instead of replacing it")  # fmt: skip
     p.add_argument("--no-sidecar", dest="sidecar", action="store_false",
                    help="in-process only (no end-to-end rows)")  # fmt: skip
+    p.add_argument("--profile", action="store_true",
+                   help="also record where a single-query search's time goes at the first "
+                        "nprobe (torch profiler: host time per step, device time, launches)")  # fmt: skip
     p.add_argument("--seed", type=int, default=corpora.SEED, help="the corpus's seed")
     p.add_argument("--corpus-dir", default=None,
                    help="the corpora's cache (default $KALOS_CORPUS_DIR or "
@@ -206,6 +209,55 @@ def _build(
     return index, seconds, memory
 
 
+PROFILED = 200  # single-query searches under the profiler
+
+
+def _profile(index: Any, queries: np.ndarray, k: int, nprobe: int, device: str) -> dict[str, Any]:
+    """Where :data:`PROFILED` single-query searches at ``nprobe`` spend their time, per
+    search, from a torch profiler trace (after the sweep: graphs captured, kernels loaded):
+    the wall time; the host time of each torch or CUDA runtime call that took the most
+    (``host_us``: call -> µs, launches, graph replays, syncs and copies among them); on a GPU
+    the device's busy time (``device_us``: kernels and copies) and its launches
+    (``kernels``)."""
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError as exc:
+        raise SystemExit("--profile needs torch: pip install 'kalos[gpu]'") from exc
+
+    qs = [queries[i % len(queries)] for i in range(PROFILED)]
+    acts = [ProfilerActivity.CPU]
+    if device == "cuda":
+        acts.append(ProfilerActivity.CUDA)
+        torch.cuda.synchronize()
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for q in qs:
+            index.search(q, k, nprobe=nprobe)
+        wall = time.perf_counter() - t0
+    per = 1e6 / PROFILED
+    host: dict[str, float] = {}
+    device_us = 0.0
+    kernels = 0
+    for ev in prof.key_averages():
+        if ev.self_cpu_time_total > 0:
+            host[ev.key] = ev.self_cpu_time_total / 1e6 * per
+        dev = getattr(ev, "self_device_time_total", 0.0) or 0.0
+        if dev > 0 and not ev.key.startswith(("aten::", "cuda")):
+            device_us += dev / 1e6 * per
+            kernels += ev.count
+    top = sorted(host.items(), key=lambda kv: -kv[1])[:12]
+    out: dict[str, Any] = {
+        "nprobe": nprobe,
+        "searches": PROFILED,
+        "wall_us": round(wall * per, 1),
+        "host_us": {name: round(us, 1) for name, us in top},
+    }
+    if device == "cuda":
+        out.update(device_us=round(device_us, 1), kernels=round(kernels / PROFILED, 1))
+    return out
+
+
 def _run(args: argparse.Namespace) -> int:
     dim = args.dim
     if dim is None and args.corpus in ("clustered", "uniform"):
@@ -262,6 +314,9 @@ def _run(args: argparse.Namespace) -> int:
         row = summarize(f"inprocess-{spec}-eager", lat, index=spec, nprobe=sweep[0])
         row.update(recall_at_10=round(recall_at(got, truth), 5))
         rows.append(row)
+    profile = _profile(index, queries, k, sweep[0], args.device) if args.profile else None
+    if profile is not None:
+        print(f"profile at nprobe {sweep[0]}: {profile}")
     build = {"build_s": round(build_s, 2), **held, "chunk_rows": args.chunk,
              "trainings": getattr(index, "trainings", None), "nlist": nlist}  # fmt: skip
     del index
@@ -278,6 +333,8 @@ def _run(args: argparse.Namespace) -> int:
         "ground_truth": {"method": "brute force, float32", "seconds": round(truth_s, 2)},
         "corpus_info": corpus.info,
     }  # fmt: skip
+    if profile is not None:
+        params["profile"] = profile
     checks = {"recall_queries": len(queries), "recall_against": "float32 brute force"}
     target = os.path.join(args.out, f"{SCENARIO}-{machine_name(args.machine)}.json")
     previous: list[dict[str, Any]] = []
