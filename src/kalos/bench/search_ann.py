@@ -84,8 +84,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-sidecar", dest="sidecar", action="store_false",
                    help="in-process only (no end-to-end rows)")  # fmt: skip
     p.add_argument("--profile", action="store_true",
-                   help="also record where a single-query search's time goes at the first "
-                        "nprobe (torch profiler: host time per step, device time, launches)")  # fmt: skip
+                   help="also record where a single-query search's time goes at the "
+                        "first nprobe (torch profiler: host calls, device time, launches)")  # fmt: skip
     p.add_argument("--seed", type=int, default=corpora.SEED, help="the corpus's seed")
     p.add_argument("--corpus-dir", default=None,
                    help="the corpora's cache (default $KALOS_CORPUS_DIR or "
