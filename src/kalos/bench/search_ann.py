@@ -85,7 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="in-process only (no end-to-end rows)")  # fmt: skip
     p.add_argument("--profile", action="store_true",
                    help="also record where a single-query search's time goes at the "
-                        "first nprobe (torch profiler: host calls, device time, launches)")  # fmt: skip
+                        "first nprobe (torch profiler: host calls, device time)")  # fmt: skip
     p.add_argument("--seed", type=int, default=corpora.SEED, help="the corpus's seed")
     p.add_argument("--corpus-dir", default=None,
                    help="the corpora's cache (default $KALOS_CORPUS_DIR or "
