@@ -79,9 +79,17 @@ def test_filtered_latency_beside_unfiltered() -> None:
         client = sc.connect(timeout=600, arena_bytes=16 << 20)
         client.add(base, np.arange(n), metadata=meta)
         q = rng.standard_normal((200, dim)).astype(np.float32)
-        for where in (None, {"bucket": {"lt": 500}}, {"bucket": {"lt": 10}}, {"bucket": 3}):
-            for x in q[:20]:
-                client.search(x, 10, where=where, payloads=False)
+        cases = [
+            (None, lambda b: True),
+            ({"bucket": {"lt": 500}}, lambda b: b < 500),
+            ({"bucket": {"lt": 10}}, lambda b: b < 10),
+            ({"bucket": 3}, lambda b: b == 3),
+        ]
+        for where, allowed in cases:
+            for x in q[:20]:  # warm, and every hit within the filter (id % 1000 is its bucket)
+                hits = client.search(x, 10, where=where, payloads=False, copy=True)
+                found = np.asarray(hits.ids).ravel()
+                assert (found >= 0).all() and all(allowed(int(i) % 1000) for i in found)
             t = []
             for x in q:
                 t0 = time.perf_counter_ns()
