@@ -17,6 +17,7 @@ current on first use: call :func:`ensure_context` after ``torch.cuda.init``).
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 from typing import Any
 
@@ -28,6 +29,9 @@ _HOST_REGISTER_PORTABLE = 1
 _HOST_REGISTER_DEVICEMAP = 2
 _EVENT_DISABLE_TIMING = 2
 _NOT_READY = 600  # CUDA_ERROR_NOT_READY
+_INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT: no context current on the calling thread
+
+log = logging.getLogger("kalos.gpu")
 
 _lib: ctypes.CDLL | None = None
 _lock = threading.Lock()
@@ -66,6 +70,11 @@ def _driver() -> ctypes.CDLL:
             lib.cuEventSynchronize.argtypes = [ctypes.c_void_p]
             lib.cuEventDestroy_v2.argtypes = [ctypes.c_void_p]
             lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+            lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+            lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
+            lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+            lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+            lib.cuDevicePrimaryCtxRelease_v2.argtypes = [ctypes.c_int]
             _lib = lib
         return _lib
 
@@ -79,12 +88,21 @@ def _check(rc: int, what: str) -> None:
 
 
 def ensure_context(device: int) -> None:
-    """Makes torch's primary context of ``device`` current on this thread."""
+    """Makes torch's primary context of ``device`` current on this thread. A thread that has
+    made no CUDA runtime call has no current context, and ``torch.cuda.set_device`` does not
+    bind one there when torch's cached device already matches: so through the driver."""
     import torch
 
+    torch.cuda.init()
+    lib = _driver()
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    _check(lib.cuDeviceGet(ctypes.byref(dev), device), "cuDeviceGet")
+    _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+    try:
+        _check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    finally:  # torch holds the primary context: this reference was only for the lookup
+        lib.cuDevicePrimaryCtxRelease_v2(dev)
     torch.cuda.set_device(device)
-    torch.cuda.current_stream(device)  # initialises the context on this thread
-    torch.empty(1, device=f"cuda:{device}")
 
 
 def mem_alloc(nbytes: int) -> int:
@@ -113,17 +131,33 @@ def host_unregister(ptr: int) -> None:
     _check(_driver().cuMemHostUnregister(ptr), "cuMemHostUnregister")
 
 
-def graph_launcher(graph_exec: int, stream: int) -> Any:
+def current_context() -> int:
+    """The CUDA context current on this thread (0: none)."""
+    ctx = ctypes.c_void_p()
+    _check(_driver().cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+    return ctx.value or 0
+
+
+def graph_launcher(graph_exec: int, stream: int, device: int | None = None) -> Any:
     """A no-argument function that launches the instantiated CUDA graph ``graph_exec`` (a
     ``cudaGraphExec_t``, e.g. torch's ``CUDAGraph.raw_cuda_graph_exec()``) on ``stream`` (a
     ``cudaStream_t``) and waits for the stream, through the driver: no torch bookkeeping per
-    launch. ctypes drops the GIL during both calls."""
+    launch. ctypes drops the GIL during both calls. With ``device``, a thread that finds no
+    context current (CUDA_ERROR_INVALID_CONTEXT) makes torch's primary context of that
+    device current (:func:`ensure_context`) and launches again, once; a warning says so."""
     lib = _driver()
     launch, sync = lib.cuGraphLaunch, lib.cuStreamSynchronize
     g, s = ctypes.c_void_p(graph_exec), ctypes.c_void_p(stream)
 
     def run() -> None:
         rc = launch(g, s)
+        if rc == _INVALID_CONTEXT and device is not None:
+            log.warning(
+                "no CUDA context current on thread %r (context %#x): making device %d's "
+                "current", threading.current_thread().name, current_context(), device,
+            )  # fmt: skip
+            ensure_context(device)
+            rc = launch(g, s)
         if rc == 0:
             rc = sync(s)
         if rc != 0:

@@ -1385,7 +1385,9 @@ class SearchGraph:
             from kalos.gpu import driver
 
             self._launchers = [
-                driver.graph_launcher(g.raw_cuda_graph_exec(), stream.cuda_stream)
+                driver.graph_launcher(
+                    g.raw_cuda_graph_exec(), stream.cuda_stream, index.device.index
+                )
                 for g in self._graphs
             ]
         if prefilter:
