@@ -248,12 +248,10 @@ def test_cuda_ivf_buffer_is_searched_and_merged(metric: str) -> None:
 
 @pytest.mark.skipif(not HAS_TORCH, reason="torch")
 @pytest.mark.parametrize("first_pass", ["float16", "float32"])
-def test_cuda_ivf_one_query_and_a_batch_agree_and_the_first_pass_is_reranked(
-    metric: str, first_pass: str
-) -> None:
-    """A single query takes its own path (no padding mask); a batch pads each query's rows.
-    Both agree, and with every list probed both are exact, whichever dtype the first pass
-    ranks in (fp16 on a GPU: the best 64 re-scored in fp32)."""
+def test_cuda_ivf_one_query_and_a_batch_agree(metric: str, first_pass: str) -> None:
+    """A single query and a batch (each query's rows padded to the widest) agree, and with
+    every list probed both are exact, whichever dtype the buffer's first pass ranks in (fp16
+    on a GPU: the best 64 re-scored in fp32)."""
     import torch
 
     index = ivf("cuda", "nlist=16,nprobe=3", metric)
@@ -381,10 +379,11 @@ def test_a_wide_probe_scans_every_row(monkeypatch) -> None:
 @pytest.mark.skipif(not HAS_TORCH, reason="torch")
 @pytest.mark.parametrize("metric", ["ip", "cosine", "l2"])
 def test_cuda_ivf_single_query_steps_of_the_graphs_agree_with_the_eager_path(metric) -> None:
-    """A single query in the steady state (flushed, no filter) takes the two-graph path on a
-    GPU: the probed lists, then their rows over a fixed power-of-two width with the rest
-    masked. Run eagerly here, it gives the eager path's answer for every nprobe and k, a
-    probe wider than the index included; a write leaves it until the next merge."""
+    """A single query in the steady state (flushed, no filter) takes the one-graph path on a
+    GPU: the probed lists and their rows over a fixed power-of-two width with the rest
+    masked, run again at a wider width when the rows outgrow it. Run eagerly here, it gives
+    the eager path's answer for every nprobe and k, a probe wider than the index included;
+    a write leaves it until the next merge."""
     index = ivf("cuda", "nlist=16,nprobe=3", metric)
     x = clustered(3000)
     index.add(x, np.arange(3000))
@@ -399,7 +398,9 @@ def test_cuda_ivf_single_query_steps_of_the_graphs_agree_with_the_eager_path(met
             for (ws, wi), (gs, gi) in zip(want, got, strict=True):
                 np.testing.assert_array_equal(gi, wi)
                 np.testing.assert_allclose(gs, ws, rtol=1e-6)
-    assert index._graphs is not None and len(index._graphs._lists) == 3
+    assert index._graphs is not None
+    assert {key[0] for key in index._graphs._graphs} == {1, 3, 16}
+    assert index._graphs.widths == {16: 4096}  # every list: 3,000 rows outgrew 1,024
     index.add(x[:5] * 0.5, np.arange(5000, 5005))  # in the buffer: the eager path again
     assert not index._graphs_ok(None)
     assert_exact(index, q[:1], index.search(q[0], 10, nprobe=16), 10)
@@ -438,10 +439,10 @@ def test_cuda_ivf_drops_graphs_whose_first_answer_disagrees(monkeypatch, caplog)
     q = clustered(1, seed=43)
     index.graphs = False
     want = index.search(q[0], 10)
-    real = cuda_ivf._ProbeGraphs._capture_ranked
+    real = cuda_ivf._ProbeGraphs._capture
 
-    def spoiled(self, key, ends, base):
-        graph, scores, ids = real(self, key, ends, base)
+    def spoiled(self, key):
+        graph, scores, ids = real(self, key)
         run = graph.replay
 
         def replay() -> None:
@@ -451,7 +452,7 @@ def test_cuda_ivf_drops_graphs_whose_first_answer_disagrees(monkeypatch, caplog)
         graph.replay = replay
         return graph, scores, ids
 
-    monkeypatch.setattr(cuda_ivf._ProbeGraphs, "_capture_ranked", spoiled)
+    monkeypatch.setattr(cuda_ivf._ProbeGraphs, "_capture", spoiled)
     index.graphs = True
     with caplog.at_level("WARNING", logger="kalos.index.cuda_ivf"):
         got = index.search(q[0], 10)

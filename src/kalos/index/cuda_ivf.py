@@ -24,16 +24,16 @@ Ids are found by a binary search in each part's ids sorted on the device, so no 
 row exists (100M rows cost no host memory beyond the adds in flight).
 
 Search of queries q [nq, dim]: centroid scores (one matmul) -> the ``nprobe`` best lists
-(``torch.topk``) -> one index tensor of those lists' rows built on the device (a
-``searchsorted`` over the lists' cumulative sizes; the one host sync is the widest query's row
-count, which sizes it) -> those rows gathered and ranked by their products with the query
-(fp16 on a GPU where the products stay in fp16's range, else fp32), masked (removed,
-filtered) -> the best ``max(RERANK_MIN, RERANK_FACTOR * k)`` re-scored in fp32 ->
-``torch.topk`` (wide rows in two steps: :func:`topk_rows`); the buffer's top-k merged in.
-In the steady state (trained, the buffer empty, no removed sorted row, no filter) a single
-query replays two CUDA graphs instead (:class:`_ProbeGraphs`): eager, its ~30 launches
-cost ~0.7 ms of host time on an H100 host, several times the GPU's work. Scores are exact
-for the stored fp16 rows (l2: the winners' distances recomputed from differences).
+(``torch.topk``) -> their rows' ranking keys, computed from the stored rows in fp32 by one
+Triton launch (:mod:`kalos.index.kernels.ivf_keys`: each probed row found from the lists'
+cumulative sizes, read in place, no gather; in torch off a GPU), over a width the widest
+query's row count sets (the one host sync), masked (removed, filtered) -> ``torch.topk``
+(wide rows in two steps: :func:`topk_rows`); the buffer's top-k (fp16 products on a GPU,
+the best re-scored in fp32) merged in. In the steady state (trained, the buffer empty, no
+removed sorted row, no filter) a single query replays one CUDA graph instead
+(:class:`_ProbeGraphs`): the upload, the lists, the keys over a fixed width and the top-k,
+one sync. Scores are exact for the stored fp16 rows (l2: the winners' distances recomputed
+from differences).
 
 Training: k-means on the device (:func:`kmeans`: seeded; a random sample of at most
 ``SAMPLE_ROWS_PER_LIST * nlist`` rows; assignments by fp16 matmuls on a GPU, in chunks), then
@@ -82,7 +82,7 @@ removed rows still among the sorted ones."""
 MERGE_SHARE = 16
 RERANK_FACTOR = 4
 RERANK_MIN = 64
-"""The probed rows' best max(RERANK_MIN, RERANK_FACTOR * k) by the first pass are re-scored
+"""The buffer's best max(RERANK_MIN, RERANK_FACTOR * k) rows by the first pass are re-scored
 in fp32 (the first pass's fp16 rounding only reorders rows within ~1e-3 of each other)."""
 SCORE_BLOCK_BYTES = 1 << 30
 """Assignment matmuls and batched gathers are chunked to stay under 1 GiB of scratch."""
@@ -183,14 +183,40 @@ class CudaIvfIndex:
         self.spec = spec
         self.device = dev
         self._torch = torch
-        # the first pass over the probed rows: fp16 products on a GPU (half the traffic of a
+        # the first pass over the buffer's rows: fp16 products on a GPU (half the traffic of a
         # float32 copy), then the best RERANK_FACTOR * k re-scored in fp32
         self._coarse = torch.float16 if dev.type == "cuda" else torch.float32
         # single queries in the steady state replay CUDA graphs (_ProbeGraphs); elsewhere
         # (torch's CPU tensors, in the tests) the same steps run eagerly
         self.graphs = dev.type == "cuda"
+        # the probed rows' keys: one Triton launch on a GPU (kernels.ivf_keys); in torch
+        # elsewhere (the tests run the kernel on the CPU under TRITON_INTERPRET=1)
+        self._ivf_keys: Any = None
+        if dev.type == "cuda":
+            self.use_kernel()
         self.trainings = 0
         self.reset()
+
+    def use_kernel(self) -> None:
+        """Ranks the probed rows with the Triton kernel (the default on a GPU; on the CPU only
+        under ``TRITON_INTERPRET=1``)."""
+        from kalos.index.kernels import ivf_keys  # imports triton
+
+        self._ivf_keys = ivf_keys.ivf_keys
+
+    def warm(self) -> None:
+        """Compiles (or loads from the kernel cache) the kernel variant this index's searches
+        launch, on a few rows of scratch: so that no search waits for it."""
+        if self._ivf_keys is None:
+            return
+        torch, dev = self._torch, self.device
+        x = torch.zeros((2, self.dim), dtype=self._main.vecs.dtype, device=dev)
+        q = torch.zeros((1, self.dim), dtype=torch.float32, device=dev)
+        ends = torch.full((1, 1), 2, dtype=torch.int64, device=dev)
+        sq = torch.zeros(2, dtype=torch.float32, device=dev)
+        self._ivf_keys(q, x, sq, ends, torch.zeros_like(ends), 64, self.metric == "l2")
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
 
     # ------------------------------------------------------------------------------ state
 
@@ -467,7 +493,7 @@ class CudaIvfIndex:
             if self._graphs is None:
                 self._graphs = _ProbeGraphs(self)
             try:
-                scores, ids = self._graphs.search(q, kk, probes, coarse)
+                scores, ids = self._graphs.search(q, kk, probes)
             except (RuntimeError, GraphMismatch) as exc:  # a capture that failed or disagreed
                 log.warning("cuda:ivf: eager launches from now on (CUDA graphs: %s)", exc)
                 self.graphs, self._graphs = False, None
@@ -548,7 +574,7 @@ class CudaIvfIndex:
         torch = self._torch
         parts = []
         if self._centroids is not None and self._main.n:
-            parts.append(self._probe(q, k, ok_main, probes, coarse))
+            parts.append(self._probe(q, k, ok_main, probes))
         if self._buf.n:
             parts.append(self._scan(q, k, self._buf, ok_buf, coarse))
         scores, ids = parts[0]
@@ -580,30 +606,23 @@ class CudaIvfIndex:
             and self._main.n > 0
         )
 
-    def _probe(self, q: Any, k: int, ok: Any, probes: int, coarse: Any) -> tuple[Any, Any]:
+    def _probe(self, q: Any, k: int, ok: Any, probes: int) -> tuple[Any, Any]:
         """The top-k [nq, k] (ranking key, ids; -inf where missing) of the probed lists' rows
-        allowed by ok [N] bool (None: every row). ``coarse``: the first pass's dtype."""
+        allowed by ok [N] bool (None: every row)."""
         torch = self._torch
         ends, base = self._lists_of(q, probes)
         width = int(ends[:, -1].max())  # the one host sync: the widest query's rows
         if width == 0:
             return _pad(torch, q.new_empty((q.shape[0], 0)), base[:, :0], k)
-        if q.shape[0] == 1:  # one query: its rows exactly fill the width, no padding mask
-            j = torch.arange(width, device=self.device)
-            slot = torch.searchsorted(ends[0], j, right=True)
-            rows = (base[0][slot] + j)[None, :]  # [1, width]
-            return self._rank(q, k, rows, None if ok is None else ok[rows], coarse)
-        chunk = max(1, SCORE_BLOCK_BYTES // (width * (2 * self.dim + 48)))
+        chunk = max(1, SCORE_BLOCK_BYTES // (width * 16))  # keys and rows, with room
         keys_out, ids_out = [], []
         for lo in range(0, q.shape[0], chunk):
-            e, b = ends[lo : lo + chunk], base[lo : lo + chunk]
-            j = torch.arange(width, device=self.device).expand(e.shape[0], width).contiguous()
-            slot = torch.searchsorted(e, j, right=True).clamp_(max=probes - 1)
-            valid = j < e[:, -1:]  # [b, width]: beyond a query's own rows: padding
-            rows = torch.where(valid, b.gather(1, slot) + j, torch.zeros_like(j))
+            keys, rows = self._probe_keys(
+                q[lo : lo + chunk], ends[lo : lo + chunk], base[lo : lo + chunk], width
+            )
             if ok is not None:
-                valid &= ok[rows]
-            best, ids = self._rank(q[lo : lo + chunk], k, rows, valid, coarse)
+                keys = keys.masked_fill(~ok[rows], -math.inf)
+            best, ids = self._top(keys, rows, k)
             keys_out.append(best)
             ids_out.append(ids)
         return torch.cat(keys_out), torch.cat(ids_out)
@@ -622,34 +641,34 @@ class CudaIvfIndex:
         ends = lens.cumsum(dim=1)
         return ends, self._offsets[lists] - (ends - lens)
 
-    def _probe_width(
-        self, q: Any, k: int, ends: Any, base: Any, width: int, coarse: Any
-    ) -> tuple[Any, Any]:
-        """One query's top-k [1, k] (key, id) of its probed rows, over a fixed ``width`` >=
-        their count (the rows past it masked): the same answer as :meth:`_probe`'s, with no
-        shape that depends on the data (what a CUDA graph needs)."""
+    def _probe_keys(self, q: Any, ends: Any, base: Any, width: int) -> tuple[Any, Any]:
+        """(keys [b, width] fp32, rows [b, width] int64) of queries q [b, dim] against their
+        probed rows (``ends``, ``base`` [b, P]: :meth:`_lists_of`): the ranking key from the
+        stored row in fp32 (q.x, or q.x - |x|^2/2 for l2: the distance's order), -inf and row
+        0 past a query's own rows. On a GPU one launch (kernels.ivf_keys); no shape depends
+        on the data, so a CUDA graph can hold it with a fixed ``width``."""
+        main = self._main
+        if self._ivf_keys is not None:
+            return self._ivf_keys(q, main.vecs, main.sq, ends, base, width, self.metric == "l2")
         torch = self._torch
-        j = torch.arange(width, device=self.device)
-        slot = torch.searchsorted(ends[0], j, right=True).clamp_(max=ends.shape[1] - 1)
-        valid = j < ends[0, -1]
-        rows = torch.where(valid, base[0][slot] + j, 0)[None, :]  # [1, width]
-        return self._rank(q, k, rows, valid[None, :], coarse)
+        j = torch.arange(width, device=self.device).expand(q.shape[0], width)
+        slot = torch.searchsorted(ends, j.contiguous(), right=True).clamp_(max=ends.shape[1] - 1)
+        valid = j < ends[:, -1:]  # beyond a query's own rows: padding
+        rows = torch.where(valid, base.gather(1, slot) + j, torch.zeros_like(j))
+        keys = (main.vecs[rows].float() @ q[:, :, None]).squeeze(2)
+        if self.metric == "l2":
+            keys = keys - 0.5 * main.sq[rows]
+        return keys.masked_fill(~valid, -math.inf), rows
 
-    def _rank(self, q: Any, k: int, rows: Any, valid: Any, coarse: Any) -> tuple[Any, Any]:
-        """The top-k [b, k] (key, id) of main rows [b, w] (valid [b, w] bool, None: all):
-        every row by the first pass in ``coarse``, the best max(RERANK_MIN, RERANK_FACTOR *
-        k) of them re-scored in fp32."""
-        torch = self._torch
-        keys = self._keys(q, rows, coarse)  # [b, w]
-        if valid is not None:
-            keys = keys.masked_fill(~valid, -math.inf)
-        keep = min(rows.shape[1], max(RERANK_MIN, RERANK_FACTOR * k))
-        cand_keys, cand = topk_rows(torch, keys, keep)
-        cand_rows = rows.gather(1, cand)
-        exact = self._keys(q, cand_rows, torch.float32)
-        exact = exact.masked_fill(cand_keys == -math.inf, -math.inf)
-        best, pos = torch.topk(exact, min(k, keep), dim=1)
-        return _pad(torch, best, self._main.ids[cand_rows.gather(1, pos)], k)
+    def _probe_width(self, q: Any, k: int, ends: Any, base: Any, width: int) -> tuple[Any, Any]:
+        """One query's top-k [1, k] (key, id) of its probed rows over a fixed ``width``
+        (the rows past it left out; the graphs' step)."""
+        return self._top(*self._probe_keys(q, ends, base, width), k)
+
+    def _top(self, keys: Any, rows: Any, k: int) -> tuple[Any, Any]:
+        """The top-k [b, k] (key, id; padded with -inf) of keys [b, w] over main rows [b, w]."""
+        best, pos = topk_rows(self._torch, keys, min(k, keys.shape[1]))
+        return _pad(self._torch, best, self._main.ids[rows.gather(1, pos)], k)
 
     def _scan(self, q: Any, k: int, part: _Part, ok: Any, dtype: Any) -> tuple[Any, Any]:
         """The top-k [nq, k] (ranking key, ids) of a part's rows allowed by ok: every row by
@@ -669,16 +688,6 @@ class CudaIvfIndex:
         best, pos = torch.topk(keys, min(k, keep), dim=1)
         return _pad(torch, best, part.ids[cand.gather(1, pos)], k)
 
-    def _keys(self, q: Any, rows: Any, dtype: Any) -> Any:
-        """Ranking keys [b, w] fp32 of queries q [b, dim] against main rows [b, w], their
-        products computed in ``dtype``: the inner product, or for l2 q.x - |x|^2/2 (the
-        same order as the distance)."""
-        x = self._main.vecs[rows].to(dtype)  # [b, w, dim]
-        keys = (x @ q.to(dtype)[:, :, None]).squeeze(2).float()
-        if self.metric == "l2":
-            keys = keys - 0.5 * self._main.sq[rows]
-        return keys
-
     def _exact_l2(
         self, q: Any, scores: np.ndarray, ids: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
@@ -697,48 +706,54 @@ class CudaIvfIndex:
 
 class _ProbeGraphs:
     """A single query's search in the steady state (trained, nothing in the buffer, no
-    removed sorted row, no filter) as two CUDA graphs, replayed instead of ~30 eager
-    launches (each ~20 µs of host time on an H100 host: 0.7 ms a search at 2M x 384).
+    removed sorted row, no filter) as one CUDA graph, replayed instead of ~15 eager launches
+    (each ~20 µs of host time on the GPU hosts) and their syncs.
 
-    Graph A (one per nprobe): the query's probed lists (:meth:`CudaIvfIndex._lists_of`) and
-    their row count, copied to pinned host memory. The host reads the count (the one sync)
-    and picks the width: the next power of two at or above it (at least
-    :data:`MIN_WIDTH`). Graph B (one per nprobe, width, k and first-pass dtype): the probed
-    rows over that width (:meth:`CudaIvfIndex._probe_width`, the rows past the count
-    masked), the top-k copied to pinned host memory. The answer is the eager path's.
+    The graph (one per nprobe, width and k): the query's upload from pinned memory, its
+    probed lists (:meth:`CudaIvfIndex._lists_of`), their rows' keys over a fixed width
+    (:meth:`CudaIvfIndex._probe_width`: one kernel; the slots past the rows masked), the
+    top-k and the probed row count copied to pinned memory; one sync. The width is a power of
+    two (at least :data:`MIN_WIDTH`), the smallest that held every count seen at this nprobe:
+    a query whose lists hold more rows than the width runs again at the width that holds
+    them, which later searches then keep. The answer is the eager path's.
 
     Graphs are captured at their first use (a few ms) over the index's storage; a merge
-    drops them (:meth:`CudaIvfIndex._merge`). Each holds its own memory pool: the largest
-    width's scratch is about ``width * (2 * dim + 64)`` bytes."""
+    drops them (:meth:`CudaIvfIndex._merge`). Each holds its own memory pool: a width's
+    scratch is about ``12 * width`` bytes."""
 
     MIN_WIDTH = 1024
 
     def __init__(self, index: CudaIvfIndex) -> None:
         torch = index._torch
         self.index = index
-        self.query = torch.zeros((1, index.dim), dtype=torch.float32, device=index.device)
         self._cuda = index.device.type == "cuda"
+        self.query_host = self._host(torch.zeros((1, index.dim), dtype=torch.float32))
+        self._query_np = self.query_host.numpy()
+        self.query = torch.zeros((1, index.dim), dtype=torch.float32, device=index.device)
         self.count = self._host(torch.zeros(1, dtype=torch.int64))
-        self._lists: dict[int, tuple[Any, Any, Any]] = {}  # nprobe -> (graph, ends, base)
-        self._ranked: dict[tuple[int, int, int, Any], tuple[Any, Any, Any]] = {}
+        self.widths: dict[int, int] = {}  # nprobe -> the width its searches start at
+        self._graphs: dict[tuple[int, int, int], tuple[Any, Any, Any]] = {}
 
-    def search(self, q: np.ndarray, k: int, probes: int, coarse: Any) -> tuple[Any, Any]:
+    def search(self, q: np.ndarray, k: int, probes: int) -> tuple[Any, Any]:
         """(scores [1, k], ids [1, k]) numpy of the query q [1, dim] (checked, cosine rows
         unit), -1 / missing where fewer rows were probed."""
-        torch = self.index._torch
-        self.query.copy_(torch.from_numpy(q), non_blocking=False)
-        graph, ends, base = self._lists.get(probes) or self._capture_lists(probes)
-        graph.replay()
-        self._sync()
-        width = max(self.MIN_WIDTH, 1 << max(0, int(self.count[0]) - 1).bit_length())
-        key = (probes, width, k, coarse)
-        new = key not in self._ranked
-        graph_b, scores, ids = self._ranked.get(key) or self._capture_ranked(key, ends, base)
-        graph_b.replay()
-        self._sync()
+        self._query_np[...] = q
+        width = self.widths.get(probes, self.MIN_WIDTH)
+        while True:
+            key = (probes, width, k)
+            new = key not in self._graphs
+            graph, scores, ids = self._graphs.get(key) or self._capture(key)
+            graph.replay()
+            self._sync()
+            count = int(self.count[0])
+            if count <= width:
+                break
+            width = self.widths[probes] = max(self.MIN_WIDTH, 1 << (count - 1).bit_length())
         if new:  # a new capture's first answer is checked against the same steps, eager
-            _, found = self.index._probe_width(self.query, k, ends, base, width, coarse)
-            if not torch.equal(found.cpu(), ids):
+            index = self.index
+            ends, base = index._lists_of(self.query, probes)
+            _, found = index._probe_width(self.query, k, ends, base, width)
+            if not index._torch.equal(found.cpu(), ids):
                 raise GraphMismatch(f"nprobe {probes}, width {width}, k {k}")
         return self.index._finish(q, scores.numpy().copy(), ids.numpy().copy())
 
@@ -750,53 +765,37 @@ class _ProbeGraphs:
         if self._cuda:
             self.index._torch.cuda.current_stream(self.index.device).synchronize()
 
-    def _capture(self, run: Any) -> tuple[Any, Any]:
-        """``run()`` once on a side stream (warm-up: the libraries' handles and workspaces),
-        then captured; returns (the graph, what the captured run returned). Off a CUDA
-        device the "graph" runs ``run`` again at each replay."""
-        torch = self.index._torch
-        if not self._cuda:
-            return _Eager(run), run()
-        side = torch.cuda.Stream(self.index.device)
-        side.wait_stream(torch.cuda.current_stream(self.index.device))
-        with torch.cuda.stream(side):
-            run()
-        torch.cuda.current_stream(self.index.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            out = run()
-        return graph, out
-
-    def _capture_lists(self, probes: int) -> tuple[Any, Any, Any]:
-        torch = self.index._torch
-        ends = torch.zeros((1, probes), dtype=torch.int64, device=self.index.device)
-        base = torch.zeros_like(ends)
-
-        def run() -> None:
-            e, b = self.index._lists_of(self.query, probes)
-            ends.copy_(e)
-            base.copy_(b)
-            self.count.copy_(e[0, -1:], non_blocking=True)
-
-        graph, _ = self._capture(run)
-        self._lists[probes] = (graph, ends, base)
-        return graph, ends, base
-
-    def _capture_ranked(
-        self, key: tuple[int, int, int, Any], ends: Any, base: Any
-    ) -> tuple[Any, Any, Any]:
-        torch = self.index._torch
-        _, width, k, coarse = key
+    def _capture(self, key: tuple[int, int, int]) -> tuple[Any, Any, Any]:
+        """The graph of ``key`` (nprobe, width, k), captured after one run on a side stream
+        (warm-up: the libraries' handles and workspaces); off a CUDA device the "graph" runs
+        the steps again at each replay."""
+        torch, index = self.index._torch, self.index
+        probes, width, k = key
         scores = self._host(torch.empty((1, k), dtype=torch.float32))
         ids = self._host(torch.empty((1, k), dtype=torch.int64))
 
         def run() -> None:
-            best, found = self.index._probe_width(self.query, k, ends, base, width, coarse)
+            self.query.copy_(self.query_host, non_blocking=True)
+            ends, base = index._lists_of(self.query, probes)
+            self.count.copy_(ends[0, -1:], non_blocking=True)
+            best, found = index._probe_width(self.query, k, ends, base, width)
             scores.copy_(best, non_blocking=True)
             ids.copy_(found, non_blocking=True)
 
-        graph, _ = self._capture(run)
-        self._ranked[key] = (graph, scores, ids)
+        graph: Any
+        if not self._cuda:
+            graph = _Eager(run)
+        else:
+            dev = index.device
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                run()
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                run()
+        self._graphs[key] = (graph, scores, ids)
         return graph, scores, ids
 
 

@@ -369,6 +369,9 @@ class Sidecar:
             self._load()
         if self.gpu is not None and not self._warm():
             return  # stopped meanwhile: serve() and start() close at once
+        warm_index = getattr(self.memories.index, "warm", None)
+        if self.gpu is None and warm_index is not None:  # e.g. cuda:ivf's kernel
+            warm_index()
         self.listener.ready.set()
         _native.store_release(self.control.addr + L.CTRL_STATE, L.STATE_READY)
         log.info(
