@@ -37,7 +37,7 @@ except ImportError:  # pragma: no cover - an older Triton
 from cuda_reference import make_index
 from kalos.gpu import driver
 from kalos.index.cuda_flat import _MAX_K
-from kalos.index.kernels import precompile
+from kalos.index.kernels import ivf_keys, precompile  # noqa: F401  (ivf_keys: recorded)
 from kalos.protocol import layout as L
 from kalos.protocol import messages as M
 from kalos.server.channels import ServerChannel
@@ -298,3 +298,25 @@ def test_compiles_notes_each_variant_the_jit_takes_and_keeps_a_hook_already_set(
         assert seen == ["k1", "k2"] and len(noted) == 1
     finally:
         knobs.runtime.jit_cache_hook = None
+
+
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+def test_the_cuda_ivf_warm_up_launches_the_variant_of_every_search(registry, metric):
+    """cuda:ivf's kernel (kalos.index.kernels.ivf_keys) is one variant per index, whatever
+    the nprobe, the width and the batch: the warm-up's launch on scratch rows is it."""
+    from kalos.index.cuda_ivf import CudaIvfIndex
+
+    index = CudaIvfIndex("cuda:ivf,nlist=16,nprobe=2", dim=48, metric=metric, device="cpu")
+    index.use_kernel()
+    rng = np.random.default_rng(3)
+    index.add(rng.standard_normal((2000, 48)).astype(np.float32), np.arange(2000))
+    index.flush()
+    index.warm()
+    warm = set(registry.variants)
+    assert len(warm) == 1
+    main = index._main
+    for nq, probes, width in [(1, 1, 1024), (1, 16, 4096), (5, 3, 777), (64, 7, 2048)]:
+        q = torch.from_numpy(rng.standard_normal((nq, 48)).astype(np.float32))
+        ends, base = index._lists_of(q, probes)
+        index._ivf_keys(q, main.vecs, main.sq, ends, base, width, metric == "l2")
+    assert registry.variants == warm

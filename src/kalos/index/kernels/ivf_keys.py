@@ -28,8 +28,8 @@ BLOCK_J = 64  # slots a program
 BLOCK_P = 64  # probed lists compared at once when finding a slot's list
 
 
-@triton.jit
-def _ivf_keys(
+@triton.jit(do_not_specialize=("P", "W"))  # nprobe and the width vary: one variant for all
+def _ivf_keys_kernel(
     q_ptr,  # [B, dim] fp32
     x_ptr,  # [N, dim] the stored rows (fp16, bf16 or fp32), row stride stride_x
     sq_ptr,  # [N] fp32 |x|^2 (read for l2 only)
@@ -99,7 +99,7 @@ def ivf_keys(
     rows = torch.empty((nq, width), dtype=torch.int64, device=q.device)
     grid = (triton.cdiv(width, BLOCK_J), nq)
     launch(
-        _ivf_keys, grid, q, x, sq, ends, base, keys, rows, ends.shape[1], width, dim,
+        _ivf_keys_kernel, grid, q, x, sq, ends, base, keys, rows, ends.shape[1], width, dim,
         x.stride(0), L2=l2, BLOCK_J=BLOCK_J, BLOCK_D=block_d(dim), BLOCK_P=BLOCK_P,
     )  # fmt: skip
     return keys, rows
