@@ -486,9 +486,6 @@ class CudaIvfIndex:
         if matched == 0:
             return out_s, out_i
         kk = min(k, matched)
-        # fp16 first-pass products unless they could leave fp16's range (large vectors, ip/l2)
-        qmax = float(np.sqrt(np.einsum("ij,ij->i", q, q).max()))
-        coarse = self._coarse if qmax * self._max_norm < _FP16_MAX / 2 else self._torch.float32
         if nq == 1 and self._graphs_ok(ok_main):
             if self._graphs is None:
                 self._graphs = _ProbeGraphs(self)
@@ -502,6 +499,9 @@ class CudaIvfIndex:
                 if probes >= self.nlist or not (ids == NO_ID).any():
                     return out_s, out_i
             # its probed lists held fewer than k rows: the eager path widens the probe
+        # the buffer's first pass in fp16 unless its products could leave fp16's range
+        qmax = float(np.sqrt(np.einsum("ij,ij->i", q, q).max()))
+        coarse = self._coarse if qmax * self._max_norm < _FP16_MAX / 2 else self._torch.float32
         qt = self._torch.from_numpy(q).to(self.device)
         pending = np.arange(nq)
         while pending.size:
