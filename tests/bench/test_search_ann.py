@@ -68,3 +68,31 @@ def test_the_profile_records_where_a_search_spends_its_time(tmp_path) -> None:
     profile = json.loads((tmp_path / "search-ann-test.json").read_text())["params"]["profile"]
     assert profile["nprobe"] == 4 and profile["searches"] == 200
     assert profile["wall_us"] > 0 and isinstance(profile["host_us"], dict)
+
+
+def test_a_set_becomes_a_panel_of_curves_by_system():
+    """Each system's points in order of nprobe, the exact index a lone point, the eager and
+    concurrent single settings left out."""
+    from kalos.bench.search_ann import panel
+
+    rows = [
+        {"system": "inprocess-cpu:flat", "index": "cpu:flat", "p99_us": 900.0, "recall_at_10": 1.0},
+        {"system": "inprocess-cpu:ivf,nlist=8", "index": "cpu:ivf,nlist=8", "nprobe": 2,
+         "p99_us": 50.0, "recall_at_10": 0.9},
+        {"system": "inprocess-cpu:ivf,nlist=8", "index": "cpu:ivf,nlist=8", "nprobe": 1,
+         "p99_us": 30.0, "recall_at_10": 0.8},
+        {"system": "inprocess-cpu:ivf,nlist=8-eager", "index": "cpu:ivf,nlist=8", "nprobe": 1,
+         "p99_us": 90.0, "recall_at_10": 0.8},
+        {"system": "kalos-shm", "index": "cpu:ivf,nlist=8", "nprobe": 1, "p99_us": 60.0,
+         "recall_at_10": 0.8},
+        {"system": "kalos-shm-concurrent", "index": "cpu:ivf,nlist=8", "nprobe": 1,
+         "p99_us": 6000.0, "recall_at_10": 0.8, "clients": 64},
+    ]  # fmt: skip
+    params = {"corpus": "clustered", "n": 1000, "dim": 8, "index": "cpu:ivf,nlist=8", "k": 10}
+    title, curves = panel({"params": params, "rows": rows})
+    assert title == "search-ann: clustered 1,000 x 8, cpu:ivf,nlist=8, top-10"
+    assert curves == {
+        "exact cpu:flat": [(900.0, 1.0, 0)],
+        "in-process cpu:ivf,nlist=8": [(50.0, 0.9, 2), (30.0, 0.8, 1)],
+        "kalos-shm cpu:ivf,nlist=8": [(60.0, 0.8, 1)],
+    }

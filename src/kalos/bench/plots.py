@@ -59,14 +59,13 @@ def plot_result(
 
 def plot_recall(
     json_path: str,
-    curves: Mapping[str, Sequence[tuple[float, float, int]]],
-    *,
-    title: str | None = None,
+    panels: Sequence[tuple[str, Mapping[str, Sequence[tuple[float, float, int]]]]],
 ) -> str | None:
-    """Writes the PNG of an approximate search's trade-off beside ``json_path``: recall
-    (y) against p99 latency (x, µs, log scale), one line per system, each point labelled
-    with its setting (``nprobe``; 0: an exact index, drawn as a lone marker). ``curves``:
-    system -> [(p99 µs, recall, setting), ...]. Returns the path, or None (reported)."""
+    """Writes the PNG of an approximate search's trade-off beside ``json_path``, a panel per
+    parameter set: recall (y) against p99 latency (x, µs, log scale), one line per system,
+    each point labelled with its setting (``nprobe``; 0: an exact index, drawn as a lone
+    marker). ``panels``: [(title, system -> [(p99 µs, recall, setting), ...]), ...]. Returns
+    the path, or None (reported)."""
     path = png_path(json_path)
     try:
         import matplotlib
@@ -75,29 +74,32 @@ def plot_recall(
         from matplotlib import pyplot as plt
         from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-        fig, ax = plt.subplots(figsize=(7.5, 5.0), layout="constrained")
-        for system, points in curves.items():
-            pts = sorted(points, key=lambda p: p[2])  # in order of the setting
-            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-            exact = all(p[2] == 0 for p in pts)
-            ax.plot(xs, ys, marker="*" if exact else "o", markersize=10 if exact else 4,
-                    linestyle="none" if exact else "-", label=system)  # fmt: skip
-            if not exact:
-                for x, y, setting in pts:
-                    ax.annotate(str(setting), (x, y), textcoords="offset points",
-                                xytext=(3, -10), fontsize="x-small")  # fmt: skip
-        ax.set_xscale("log")
-        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
-        ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.set_xlabel("p99 latency (µs, log scale)")
-        ax.set_ylabel("recall@10 against exact")
-        ax.set_ylim(min(0.5, ax.get_ylim()[0]), 1.005)
-        for level in (0.95, 0.99):
-            ax.axhline(level, color="grey", linestyle=":", linewidth=0.8)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize="small", loc="lower right")
-        ax.set_title(title or os.path.basename(json_path), fontsize="medium")
+        fig, axes = plt.subplots(
+            len(panels), 1, figsize=(7.5, 5.0 * len(panels)), layout="constrained", squeeze=False
+        )
+        for ax, (title, curves) in zip(axes[:, 0], panels, strict=True):
+            for system, points in curves.items():
+                pts = sorted(points, key=lambda p: p[2])  # in order of the setting
+                xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+                exact = all(p[2] == 0 for p in pts)
+                ax.plot(xs, ys, marker="*" if exact else "o", markersize=10 if exact else 4,
+                        linestyle="none" if exact else "-", label=system)  # fmt: skip
+                if not exact:
+                    for x, y, setting in pts:
+                        ax.annotate(str(setting), (x, y), textcoords="offset points",
+                                    xytext=(3, -10), fontsize="x-small")  # fmt: skip
+            ax.set_xscale("log")
+            ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+            ax.xaxis.set_minor_formatter(NullFormatter())
+            ax.set_xlabel("p99 latency (µs, log scale)")
+            ax.set_ylabel("recall@10 against exact")
+            ax.set_ylim(min(0.5, ax.get_ylim()[0]), 1.005)
+            for level in (0.95, 0.99):
+                ax.axhline(level, color="grey", linestyle=":", linewidth=0.8)
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize="small", loc="lower right")
+            ax.set_title(title, fontsize="medium")
         tmp = path + ".tmp.png"
         fig.savefig(tmp, dpi=110)
         plt.close(fig)

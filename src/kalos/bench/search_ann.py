@@ -277,7 +277,6 @@ def _run(args: argparse.Namespace) -> int:
     print(f"ground truth: {len(queries)} queries x {n:,} rows in {truth_s:.1f} s")
 
     rows: list[dict[str, Any]] = []
-    curves: dict[str, list[tuple[float, float, int]]] = {}  # system -> (p99, recall, nprobe)
     if exact_spec != "none":
         exact, build_s, held = _build(exact_spec, db, ids, args.metric, args.chunk, args.device)
         for q in queries[:20]:
@@ -287,7 +286,6 @@ def _run(args: argparse.Namespace) -> int:
         row.update(recall_at_10=round(recall_at(got, truth), 5), build_s=round(build_s, 2),
                    **held)  # fmt: skip
         rows.append(row)
-        curves[f"exact {exact_spec}"] = [(row["p99_us"], row["recall_at_10"], 0)]
         del exact
         _memory_mark(args.device)
 
@@ -302,9 +300,6 @@ def _run(args: argparse.Namespace) -> int:
         row = summarize(f"inprocess-{spec}", lat, index=spec, nprobe=nprobe)
         row.update(recall_at_10=round(recall_at(got, truth), 5))
         rows.append(row)
-        curves.setdefault(f"in-process {spec}", []).append(
-            (row["p99_us"], row["recall_at_10"], nprobe)
-        )
     if getattr(index, "graphs", False):
         # beside the first setting: the same searches with the graphs off (eager launches)
         index.graphs = False
@@ -323,7 +318,7 @@ def _run(args: argparse.Namespace) -> int:
     _memory_mark(args.device)
 
     if args.sidecar:
-        rows += _through_sidecar(args, spec, db, queries, truth, sweep, curves)
+        rows += _through_sidecar(args, spec, db, queries, truth, sweep)
 
     print_table(rows, ("system", "nprobe", "recall_at_10", "p50_us", "p99_us", "qps"))
     params = {
@@ -356,8 +351,10 @@ def _run(args: argparse.Namespace) -> int:
             json.dump(doc, f, indent=2)
             f.write("\n")
     print(f"wrote {path}")
+    with open(path) as f:
+        written = json.load(f)
     png = plot_recall(
-        path, curves, title=f"search-ann: {corpus.name} {n:,} x {dim}, {spec}, top-{k}"
+        path, [panel(s) for s in (written if isinstance(written, list) else [written])]
     )
     if png:
         print(f"wrote {png}")
@@ -371,7 +368,6 @@ def _through_sidecar(
     queries: np.ndarray,
     truth: np.ndarray,
     sweep: list[int],
-    curves: dict[str, list[tuple[float, float, int]]],
 ) -> list[dict[str, Any]]:
     """The same index served by a sidecar that loads the corpus itself (``--load``): each
     nprobe's recall and end-to-end latency through the client (shm)."""
@@ -398,9 +394,6 @@ def _through_sidecar(
                 row = summarize("kalos-shm", lat, index=spec, nprobe=nprobe)
                 row.update(recall_at_10=round(recall_at(got, truth), 5))
                 rows.append(row)
-                curves.setdefault(f"kalos-shm {spec}", []).append(
-                    (row["p99_us"], row["recall_at_10"], nprobe)
-                )
             client.close()
             if args.clients > 0:
                 rows.append(_concurrent(args, sidecar, spec, queries, truth, rows))
@@ -486,4 +479,29 @@ def _caller_process(
              sum(r[1] for r in results), sum(r[2] for r in results)))  # fmt: skip
 
 
-__all__ = ["SCENARIO", "add_arguments", "ground_truth", "recall_at", "run"]
+def panel(result: dict[str, Any]) -> tuple[str, dict[str, list[tuple[float, float, int]]]]:
+    """One parameter set of a search-ann file as a plot panel: its title, and each system's
+    (p99, recall, nprobe) points; an exact index a lone point at setting 0. The eager and
+    concurrent rows are single settings beside the curves, not drawn."""
+    p = result["params"]
+    curves: dict[str, list[tuple[float, float, int]]] = {}
+    for row in result["rows"]:
+        system = row["system"]
+        if "recall_at_10" not in row or system.endswith(("-eager", "-concurrent")):
+            continue
+        if "nprobe" not in row:  # the exact index
+            curves[f"exact {row.get('index', '')}".strip()] = [
+                (row["p99_us"], row["recall_at_10"], 0)
+            ]
+            continue
+        name = (
+            f"in-process {row['index']}"
+            if system.startswith("inprocess-")
+            else (f"{system} {row['index']}")
+        )
+        curves.setdefault(name, []).append((row["p99_us"], row["recall_at_10"], row["nprobe"]))
+    title = f"search-ann: {p['corpus']} {p['n']:,} x {p['dim']}, {p['index']}, top-{p['k']}"
+    return title, curves
+
+
+__all__ = ["SCENARIO", "add_arguments", "ground_truth", "panel", "recall_at", "run"]
