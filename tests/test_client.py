@@ -499,6 +499,36 @@ def test_the_default_spin_follows_the_sidecars_device(sidecar) -> None:
     assert spins == [int(SPIN_US * 1000), 7000]
 
 
+def test_a_channel_learns_a_spin_per_op_unless_told_one(sidecar) -> None:
+    """Unless the client sets ``spin_us``, an op whose round trips average a little more than
+    the base spin is spun for (a quarter more, plus 10 µs) instead of parked for, up to
+    SPIN_CAP times the base; a long op, and one that comes back under the base, keep the
+    base. Round trips are fed to the channel here: real ones depend on the machine."""
+    from kalos.transport.shm import SPIN_CAP, learned_spin
+
+    base = 50_000
+    assert learned_spin(40_000, base) == base  # quick: answered within the base
+    assert learned_spin(80_000, base) == 80_000 + 20_000 + 10_000
+    assert learned_spin(SPIN_CAP * base, base) == base  # long: parked for after the base
+    sc = sidecar(dim=DIM)
+    with sc.connect() as auto, sc.connect(spin_us=50) as told:
+        auto.ping()
+        told.ping()
+        learning, fixed = (c._channel(TIMEOUT) for c in (auto, told))
+        assert fixed._spins is None and learning._spins is not None
+        learning._spins.clear()  # what the first pings taught (a cold channel)
+        learning._rtt.clear()
+        for _ in range(20):
+            learning._learn(5, 80_000)
+        assert learning._spins == {5: learned_spin(80_000, learning._spin_ns)}
+        for _ in range(20):  # the op got slow: parked for after the base again
+            learning._learn(5, 10 * SPIN_CAP * learning._spin_ns)
+        assert learning._spins == {5: learning._spin_ns}
+        for _ in range(40):  # and quick: forgotten
+            learning._learn(5, 1_000)
+        assert learning._spins == {} and learning._rtt == {}
+
+
 def test_client_options_as_keywords_or_one_object(sidecar: Callable[..., RunningSidecar]) -> None:
     running = sidecar(dim=DIM)
     opts = kalos.ClientOptions(timeout=2.0, transport="uds", runtime_dir=running.runtime_dir)

@@ -36,9 +36,12 @@ class ClientOptions:
     response body one call moves; negotiated down to the sidecar's limit.
 
     ``spin_us``: how long a caller spins for a response before parking, in µs (spinning pays
-    when the sidecar has its own core; parking costs a ~25 µs futex wake). None: 50 µs, or
-    200 µs against a sidecar whose index is on a GPU (a search there takes longer than 50 µs,
-    and a parked caller is woken only after the sidecar's stream sync).
+    when the sidecar has its own core; parking costs a ~25 µs futex wake). None: learned per
+    op by each channel, from a base of 50 µs, or 200 µs against a sidecar whose index is on a
+    GPU (a search there takes longer than 50 µs, and a parked caller is woken only after the
+    sidecar's stream sync): an op whose round trips average a little more than the base (up
+    to 4 times it) is spun for a quarter more than that average, plus 10 µs; a longer one,
+    or any under load, parks after the base.
 
     ``gpu_results``: map each channel's GPU result buffer (a cuda sidecar, shm transport, torch
     installed) so that ``search_gpu`` can hand results over as torch tensors.

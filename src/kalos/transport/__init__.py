@@ -35,7 +35,9 @@ def open_channel(
     For ``kind="grpc"``, ``name`` is the sidecar's grpc target (``host:port``, ``[v6]:port``
     or ``unix:/path``) and ``tls`` secures it; ``runtime_dir`` and ``spin_us`` do not apply.
 
-    ``spin_us`` None: :func:`kalos.transport.shm.default_spin_us` of the sidecar's device.
+    ``spin_us`` None: :func:`kalos.transport.shm.default_spin_us` of the sidecar's device as
+    a base, and a spin per op learned from its round trips
+    (:func:`kalos.transport.shm.learned_spin`).
     ``gpu_results``: ask a cuda sidecar for a GPU result buffer (shm only); the lent ``gpu``
     is then a :class:`kalos.gpu.handoff.GpuChannel`. ``hung_after``: seconds without a
     heartbeat after which a shm channel reports its sidecar hung (SidecarGone). Raises
@@ -78,6 +80,7 @@ def open_channel(
             spin_us=default_spin_us(info) if spin_us is None else spin_us,
             hung_after=HUNG_AFTER_S if hung_after is None else hung_after,
             gpu=gpu_results,
+            learn_spin=spin_us is None,
         )
     from kalos.transport.uds import UdsTransport
 

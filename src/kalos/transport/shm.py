@@ -39,6 +39,11 @@ HUNG_AFTER_S = 1.0
 # parked caller waits for the sidecar's stream sync and a futex wake (8-28 µs on the H200).
 SPIN_US = 50.0
 GPU_SPIN_US = 200.0
+# Unless told a spin, a channel learns one per op (ShmTransport.learned_spin): ops that take a
+# little longer than that base (an IVF search, a GPU search of 250 µs) are spun for instead of
+# parked for (a futex wake costs the caller ~30 µs on the 2-core VM), up to SPIN_CAP times the
+# base; an op that takes longer than that cap parks after the base, as does every op under load.
+SPIN_CAP = 4
 _monotonic_ns = time.monotonic_ns
 _publish = _native.publish
 _wait_seq = _native.wait_seq
@@ -51,14 +56,25 @@ _REQ_OP = L.REQ_OP
 _RESP_STATUS = L.RESP_STATUS
 
 __all__ = [
-    "GPU_SPIN_US", "HUNG_AFTER_S", "LIVENESS_SLICE_NS", "LOCAL_READ_BEAT_NS", "SPIN_US",
-    "ShmTransport", "default_spin_us", "map_session_index", "map_token_heap", "open_shm",
+    "GPU_SPIN_US", "HUNG_AFTER_S", "LIVENESS_SLICE_NS", "LOCAL_READ_BEAT_NS", "SPIN_CAP",
+    "SPIN_US", "ShmTransport", "default_spin_us", "learned_spin", "map_session_index",
+    "map_token_heap", "open_shm",
 ]  # fmt: skip
 
 
 def default_spin_us(info: dict[str, Any]) -> float:
     """The spin of a channel to the sidecar whose handshake reply is ``info``."""
     return GPU_SPIN_US if str(info.get("device", "cpu")).startswith("cuda") else SPIN_US
+
+
+def learned_spin(estimate_ns: int, base_ns: int) -> int:
+    """The spin (ns) for an op whose recent round trips average ``estimate_ns``: a quarter
+    more than that, plus 10 µs, when that is above the base spin and within SPIN_CAP times
+    it; else the base (a quick op is answered within it; a long one is parked for)."""
+    spin = estimate_ns + (estimate_ns >> 2) + 10_000
+    if estimate_ns <= base_ns or spin > SPIN_CAP * base_ns:
+        return base_ns
+    return spin
 
 
 def open_shm(
@@ -69,10 +85,12 @@ def open_shm(
     spin_us: float,
     hung_after: float = HUNG_AFTER_S,
     gpu: bool = False,
+    learn_spin: bool = False,
 ) -> tuple[ShmTransport, Lent]:
     """The channel a shm handshake opened (its reply ``info`` and descriptors ``fds``: the
     control segment, the channel, then the token heap and the session index when lent), and
     what it lent beside it. ``gpu``: map the channel's GPU result buffer (``info["gpu"]``).
+    ``learn_spin``: ``spin_us`` is a base, and each op's spin is learned (:func:`learned_spin`).
     Closes the descriptors; raises ConnectError when they do not match the reply."""
     heap_info = info.get("token_heap")
     index_info = info.get("session_index") if heap_info else None
@@ -93,7 +111,9 @@ def open_shm(
     finally:
         for fd in fds:
             os.close(fd)
-    t = ShmTransport(sock, info, ctrl, chan, spin_us=spin_us, hung_after=hung_after)
+    t = ShmTransport(
+        sock, info, ctrl, chan, spin_us=spin_us, hung_after=hung_after, learn_spin=learn_spin
+    )
     try:
         channel = None
         if gpu:
@@ -119,6 +139,7 @@ class ShmTransport(Transport):
         *,
         spin_us: float,
         hung_after: float = HUNG_AFTER_S,
+        learn_spin: bool = False,
     ) -> None:
         """The channel ``chan`` with its control segment ``ctrl`` (see :func:`open_shm`)."""
         self._ctrl = ctrl
@@ -147,6 +168,10 @@ class ShmTransport(Transport):
         self._buf = buf
         self._seq = _load(self._req_seq)
         self._spin_ns = int(spin_us * 1000)
+        # learn_spin: each op's spin (ns) and its round trips' running average (ns), kept for
+        # the ops that took longer than the base spin
+        self._spins: dict[int, int] | None = {} if learn_spin else None
+        self._rtt: dict[int, int] = {}
         self._sent_ns = 0  # when the last request was published (last_sent_ns)
         # The Response of every request, refilled: like its body, valid until the next request
         # (~0.1 µs less than building one per call).
@@ -165,10 +190,14 @@ class ShmTransport(Transport):
         _publish(self._req_seq, seq, self._server_parked, self._server_bell)
         self._sent_ns = now
         first = timeout_ns if timeout_ns < LIVENESS_SLICE_NS else LIVENESS_SLICE_NS
-        if not _wait_seq(
-            self._resp_seq, seq, self._client_parked, self._client_bell, self._spin_ns, first
-        ):
+        spins = self._spins
+        spin = self._spin_ns if spins is None else spins.get(op, self._spin_ns)
+        if not _wait_seq(self._resp_seq, seq, self._client_parked, self._client_bell, spin, first):
             self._wait_slow(seq, deadline)
+        if spins is not None:
+            rtt = _monotonic_ns() - now
+            if rtt > self._spin_ns or op in self._rtt:  # a quick op costs only this test
+                self._learn(op, rtt)
         status, _flags, n, queue_ns, compute_ns, write_ns = _unpack_response(buf, _RESP_STATUS)
         r = self._response
         r.status = status
@@ -177,6 +206,19 @@ class ShmTransport(Transport):
         r.compute_ns = compute_ns
         r.write_ns = write_ns
         return r
+
+    def _learn(self, op: int, rtt: int) -> None:
+        """Folds a round trip of ``op`` into its average (a quarter of the way) and sets its
+        spin (:func:`learned_spin`); an op back under the base spin is forgotten."""
+        assert self._spins is not None
+        estimate = self._rtt.get(op, rtt)
+        estimate += (rtt - estimate) >> 2
+        if estimate <= self._spin_ns:
+            self._rtt.pop(op, None)
+            self._spins.pop(op, None)
+            return
+        self._rtt[op] = estimate
+        self._spins[op] = learned_spin(estimate, self._spin_ns)
 
     def last_sent_ns(self) -> int:
         return self._sent_ns  # the publish stamp of the last request's header, kept
