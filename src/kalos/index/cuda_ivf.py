@@ -614,7 +614,9 @@ class CudaIvfIndex:
         width = int(ends[:, -1].max())  # the one host sync: the widest query's rows
         if width == 0:
             return _pad(torch, q.new_empty((q.shape[0], 0)), base[:, :0], k)
-        chunk = max(1, SCORE_BLOCK_BYTES // (width * 16))  # keys and rows, with room
+        # scratch per (query, probed row): keys and rows (16 bytes); in torch also the row copy
+        per = 16 if self._ivf_keys is not None else 16 + 4 * self.dim
+        chunk = max(1, SCORE_BLOCK_BYTES // (width * per))
         keys_out, ids_out = [], []
         for lo in range(0, q.shape[0], chunk):
             keys, rows = self._probe_keys(
