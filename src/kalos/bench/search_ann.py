@@ -210,6 +210,7 @@ def _build(
 
 
 PROFILED = 200  # single-query searches under the profiler
+PROFILE_NAME_CHARS = 60  # of a kernel's name in the profile (template arguments cut)
 
 
 def _profile(index: Any, queries: np.ndarray, k: int, nprobe: int, device: str) -> dict[str, Any]:
@@ -217,8 +218,9 @@ def _profile(index: Any, queries: np.ndarray, k: int, nprobe: int, device: str) 
     search, from a torch profiler trace (after the sweep: graphs captured, kernels loaded):
     the wall time; the host time of each torch or CUDA runtime call that took the most
     (``host_us``: call -> µs, launches, graph replays, syncs and copies among them); on a GPU
-    the device's busy time (``device_us``: kernels and copies) and its launches
-    (``kernels``)."""
+    the device's busy time (``device_us``: kernels and copies), its launches (``kernels``)
+    and the kernels and copies that took the most of it (``device_top_us``: name, its first
+    :data:`PROFILE_NAME_CHARS` characters -> µs)."""
     try:
         import torch
         from torch.profiler import ProfilerActivity, profile
@@ -237,6 +239,7 @@ def _profile(index: Any, queries: np.ndarray, k: int, nprobe: int, device: str) 
         wall = time.perf_counter() - t0
     per = 1e6 / PROFILED
     host: dict[str, float] = {}
+    on_device: dict[str, float] = {}
     device_us = 0.0
     kernels = 0
     for ev in prof.key_averages():
@@ -246,6 +249,8 @@ def _profile(index: Any, queries: np.ndarray, k: int, nprobe: int, device: str) 
         if dev > 0 and not ev.key.startswith(("aten::", "cuda")):
             device_us += dev / 1e6 * per
             kernels += ev.count
+            name = ev.key[:PROFILE_NAME_CHARS]
+            on_device[name] = on_device.get(name, 0.0) + dev / 1e6 * per
     top = sorted(host.items(), key=lambda kv: -kv[1])[:12]
     out: dict[str, Any] = {
         "nprobe": nprobe,
@@ -254,7 +259,9 @@ def _profile(index: Any, queries: np.ndarray, k: int, nprobe: int, device: str) 
         "host_us": {name: round(us, 1) for name, us in top},
     }
     if device == "cuda":
-        out.update(device_us=round(device_us, 1), kernels=round(kernels / PROFILED, 1))
+        busiest = sorted(on_device.items(), key=lambda kv: -kv[1])[:10]
+        out.update(device_us=round(device_us, 1), kernels=round(kernels / PROFILED, 1),
+                   device_top_us={name: round(us, 1) for name, us in busiest})  # fmt: skip
     return out
 
 
