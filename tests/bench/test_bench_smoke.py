@@ -200,3 +200,15 @@ def test_load_bench(tmp_path):
     rc, appended = _bench(tmp_path, *args)
     assert rc == 0 and [s["params"]["n"] for s in appended] == [2000, 2000, 1000]
     assert appended[2]["rows"][0]["system"] == "torch-lock"
+
+
+def test_a_failing_client_process_says_why(tmp_path):
+    """A client process of the load benchmark that fails (here: no such sidecar) sends its
+    error before it exits, and the benchmark raises with it instead of a bare "died"."""
+    from kalos.bench.load import ClientFleet
+
+    target = {"transport": "shm", "name": "nobody-here", "runtime_dir": str(tmp_path)}
+    data = {"queries": np.zeros((1, 4), np.float32), "k": 1, "threads": 1, "tasks": 1,
+            "ref": None}  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"client process \d+ failed: ConnectError"):
+        ClientFleet(target, data, 1, asyncio_mode=False)

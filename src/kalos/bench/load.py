@@ -230,6 +230,22 @@ class CallerPool:
 # -- client processes -----------------------------------------------------------------------------
 
 
+def _reported(fn: Callable[..., None]) -> Callable[..., None]:
+    """A client process's body that, failing, first sends ``("failed", pid, what)`` on its
+    ``out`` queue (its last argument), so that the benchmark says why, then fails."""
+
+    @functools.wraps(fn)
+    def run(*args: Any) -> None:
+        try:
+            fn(*args)
+        except BaseException as exc:
+            args[-1].put(("failed", os.getpid(), f"{type(exc).__name__}: {exc}"))
+            raise
+
+    return run
+
+
+@_reported
 def _client_process(target: dict[str, Any], data: dict[str, Any], commands: Any, out: Any) -> None:
     """A client process: connects, then runs each command (rate, start, duration, seed) with
     its threads and sends back (latencies, wrong, last completion)."""
@@ -259,6 +275,7 @@ def _client_process(target: dict[str, Any], data: dict[str, Any], commands: Any,
     client.close()
 
 
+@_reported
 def _async_process(target: dict[str, Any], data: dict[str, Any], commands: Any, out: Any) -> None:
     """One process, ``tasks`` asyncio tasks on one AsyncClient (at ``rate / tasks`` each)."""
     import kalos
@@ -341,11 +358,15 @@ class ClientFleet:
     def _get(self) -> Any:
         while True:
             try:
-                return self.out.get(timeout=5)
+                got = self.out.get(timeout=5)
             except queue.Empty:
                 dead = [p.pid for p in self.procs if p.exitcode not in (None, 0)]
                 if dead:
                     raise RuntimeError(f"client processes {dead} died") from None
+            else:
+                if isinstance(got, tuple) and got[:1] == ("failed",):
+                    raise RuntimeError(f"client process {got[1]} failed: {got[2]}")
+                return got
 
     def run(self, rate: float, seed: int, duration: float) -> tuple[list[float], int, float, float]:
         start_at = time.monotonic() + 0.5
