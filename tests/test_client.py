@@ -504,7 +504,10 @@ def test_a_channel_learns_a_spin_per_op_unless_told_one(sidecar) -> None:
     the base spin is spun for (a quarter more, plus 10 µs) instead of parked for, up to
     SPIN_CAP times the base; a long op, and one that comes back under the base, keep the
     base. Round trips are fed to the channel here: real ones depend on the machine."""
+    from kalos.protocol.codes import Op
     from kalos.transport.shm import SPIN_CAP, learned_spin
+
+    OP = 250  # no op of the protocol: round trips fed by hand
 
     base = 50_000
     assert learned_spin(40_000, base) == base  # quick: answered within the base
@@ -519,14 +522,21 @@ def test_a_channel_learns_a_spin_per_op_unless_told_one(sidecar) -> None:
         learning._spins.clear()  # what the first pings taught (a cold channel)
         learning._rtt.clear()
         for _ in range(20):
-            learning._learn(5, 80_000)
-        assert learning._spins == {5: learned_spin(80_000, learning._spin_ns)}
+            learning._learn(OP, 80_000)
+        assert learning._spins == {OP: learned_spin(80_000, learning._spin_ns)}
         for _ in range(20):  # the op got slow: parked for after the base again
-            learning._learn(5, 10 * SPIN_CAP * learning._spin_ns)
-        assert learning._spins == {5: learning._spin_ns}
+            learning._learn(OP, 10 * SPIN_CAP * learning._spin_ns)
+        assert learning._spins == {OP: learning._spin_ns}
         for _ in range(40):  # and quick: forgotten
-            learning._learn(5, 1_000)
+            learning._learn(OP, 1_000)
         assert learning._spins == {} and learning._rtt == {}
+        # a real op longer than the cap (a flat scan of 300,000 rows: ms): learned, and
+        # parked for after the base
+        auto.add(np.random.default_rng(1).standard_normal((300_000, DIM)), np.arange(300_000))
+        for _ in range(5):
+            auto.search(np.ones(DIM), k=3)
+        assert learning._rtt[Op.SEARCH] > SPIN_CAP * learning._spin_ns
+        assert learning._spins[Op.SEARCH] == learning._spin_ns
 
 
 def test_client_options_as_keywords_or_one_object(sidecar: Callable[..., RunningSidecar]) -> None:

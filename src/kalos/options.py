@@ -41,7 +41,8 @@ class ClientOptions:
     GPU (a search there takes longer than 50 µs, and a parked caller is woken only after the
     sidecar's stream sync): an op whose round trips average a little more than the base (up
     to 4 times it) is spun for a quarter more than that average, plus 10 µs; a longer one,
-    or any under load, parks after the base.
+    or any under load (queued in the sidecar for a quarter of its round trip), parks after
+    the base.
 
     ``gpu_results``: map each channel's GPU result buffer (a cuda sidecar, shm transport, torch
     installed) so that ``search_gpu`` can hand results over as torch tensors.

@@ -39,11 +39,13 @@ HUNG_AFTER_S = 1.0
 # parked caller waits for the sidecar's stream sync and a futex wake (8-28 µs on the H200).
 SPIN_US = 50.0
 GPU_SPIN_US = 200.0
-# Unless told a spin, a channel learns one per op (ShmTransport.learned_spin): ops that take a
-# little longer than that base (an IVF search, a GPU search of 250 µs) are spun for instead of
-# parked for (a futex wake costs the caller ~30 µs on the 2-core VM), up to SPIN_CAP times the
-# base; an op that takes longer than that cap parks after the base, as does every op under load.
+# Unless told a spin, a channel learns one per op (learned_spin): ops that take a little longer
+# than that base (an IVF search, a GPU search of 250 µs) are spun for instead of parked for
+# (a futex wake costs the caller tens of µs), up to SPIN_CAP times the
+# base; an op that takes longer than that cap parks after the base, as does every op under load
+# (a request that waited in the sidecar's queue for a quarter of its round trip or more).
 SPIN_CAP = 4
+LOADED_NS = 10_000_000  # a round trip that queued in the sidecar counts as this long
 _monotonic_ns = time.monotonic_ns
 _publish = _native.publish
 _wait_seq = _native.wait_seq
@@ -56,9 +58,9 @@ _REQ_OP = L.REQ_OP
 _RESP_STATUS = L.RESP_STATUS
 
 __all__ = [
-    "GPU_SPIN_US", "HUNG_AFTER_S", "LIVENESS_SLICE_NS", "LOCAL_READ_BEAT_NS", "SPIN_CAP",
-    "SPIN_US", "ShmTransport", "default_spin_us", "learned_spin", "map_session_index",
-    "map_token_heap", "open_shm",
+    "GPU_SPIN_US", "HUNG_AFTER_S", "LIVENESS_SLICE_NS", "LOADED_NS", "LOCAL_READ_BEAT_NS",
+    "SPIN_CAP", "SPIN_US", "ShmTransport", "default_spin_us", "learned_spin",
+    "map_session_index", "map_token_heap", "open_shm",
 ]  # fmt: skip
 
 
@@ -194,11 +196,13 @@ class ShmTransport(Transport):
         spin = self._spin_ns if spins is None else spins.get(op, self._spin_ns)
         if not _wait_seq(self._resp_seq, seq, self._client_parked, self._client_bell, spin, first):
             self._wait_slow(seq, deadline)
+        status, _flags, n, queue_ns, compute_ns, write_ns = _unpack_response(buf, _RESP_STATUS)
         if spins is not None:
             rtt = _monotonic_ns() - now
             if rtt > self._spin_ns or op in self._rtt:  # a quick op costs only this test
-                self._learn(op, rtt)
-        status, _flags, n, queue_ns, compute_ns, write_ns = _unpack_response(buf, _RESP_STATUS)
+                # waited in the sidecar's queue for a quarter of it: under load, where spinning
+                # callers take the CPUs the sidecar needs; counted as a long round trip
+                self._learn(op, rtt if queue_ns <= rtt >> 2 else LOADED_NS)
         r = self._response
         r.status = status
         r.body = self._resp_arena[:n]
