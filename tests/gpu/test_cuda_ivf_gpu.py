@@ -116,10 +116,10 @@ def test_single_queries_replay_graphs_that_answer_as_the_eager_steps() -> None:
     for (gs, gi), (es, ei) in zip(graphed, eager, strict=True):
         np.testing.assert_array_equal(gi, ei)
         np.testing.assert_allclose(gs, es, rtol=1e-6)
-    kernel = index._ivf_keys
-    index._ivf_keys = None  # the same steps in torch: a gather and a product
+    kernels = index._ivf_keys, index._topk_small
+    index._ivf_keys = index._topk_small = None  # the same steps in torch: gather, product, topk
     in_torch = [index.search(q[i], 10, nprobe=p) for p in (1, 16, 64) for i in range(len(q))]
-    index._ivf_keys = kernel
+    index._ivf_keys, index._topk_small = kernels
     for (gs, gi), (ts, ti) in zip(graphed, in_torch, strict=True):
         np.testing.assert_array_equal(gi, ti)
         np.testing.assert_allclose(gs, ts, rtol=1e-5)

@@ -37,7 +37,7 @@ except ImportError:  # pragma: no cover - an older Triton
 from cuda_reference import make_index
 from kalos.gpu import driver
 from kalos.index.cuda_flat import _MAX_K
-from kalos.index.kernels import ivf_keys, precompile  # noqa: F401  (ivf_keys: recorded)
+from kalos.index.kernels import ivf_keys, precompile, topk_small  # noqa: F401  (recorded)
 from kalos.protocol import layout as L
 from kalos.protocol import messages as M
 from kalos.server.channels import ServerChannel
@@ -302,9 +302,11 @@ def test_compiles_notes_each_variant_the_jit_takes_and_keeps_a_hook_already_set(
 
 @pytest.mark.parametrize("metric", ["ip", "l2"])
 def test_the_cuda_ivf_warm_up_launches_the_variant_of_every_search(registry, metric):
-    """cuda:ivf's kernel (kalos.index.kernels.ivf_keys) is one variant per index, whatever
-    the nprobe, the width and the batch: the warm-up's launch on scratch rows is it."""
+    """cuda:ivf's kernels (kalos.index.kernels.ivf_keys, topk_small) have one variant per
+    index and k's power of two, whatever the nprobe, the width and the batch: the warm-up's
+    launches on scratch rows are every one of them."""
     from kalos.index.cuda_ivf import CudaIvfIndex
+    from kalos.index.kernels.topk_small import MAX_K
 
     index = CudaIvfIndex("cuda:ivf,nlist=16,nprobe=2", dim=48, metric=metric, device="cpu")
     index.use_kernel()
@@ -313,10 +315,13 @@ def test_the_cuda_ivf_warm_up_launches_the_variant_of_every_search(registry, met
     index.flush()
     index.warm()
     warm = set(registry.variants)
-    assert len(warm) == 1
+    assert len(warm) == 1 + 2 * (MAX_K.bit_length())  # the keys; each k's power of two, 2 stages
     main = index._main
+    small, index._topk_small = index._topk_small, None  # the lists in torch: nothing recorded
     for nq, probes, width in [(1, 1, 1024), (1, 16, 4096), (5, 3, 777), (64, 7, 2048)]:
         q = torch.from_numpy(rng.standard_normal((nq, 48)).astype(np.float32))
         ends, base = index._lists_of(q, probes)
         index._ivf_keys(q, main.vecs, main.sq, ends, base, width, metric == "l2")
+        for k in (1, 3, 10, 33, MAX_K):
+            small.topk_small(torch.zeros((nq, width)), min(k, width))
     assert registry.variants == warm

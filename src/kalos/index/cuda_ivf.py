@@ -192,6 +192,7 @@ class CudaIvfIndex:
         # the probed rows' keys: one Triton launch on a GPU (kernels.ivf_keys); in torch
         # elsewhere (the tests run the kernel on the CPU under TRITON_INTERPRET=1)
         self._ivf_keys: Any = None
+        self._topk_small: Any = None  # kernels.topk_small, with the kernel
         if dev.type == "cuda":
             self.use_kernel()
         self.trainings = 0
@@ -200,9 +201,10 @@ class CudaIvfIndex:
     def use_kernel(self) -> None:
         """Ranks the probed rows with the Triton kernel (the default on a GPU; on the CPU only
         under ``TRITON_INTERPRET=1``)."""
-        from kalos.index.kernels import ivf_keys  # imports triton
+        from kalos.index.kernels import ivf_keys, topk_small  # imports triton
 
         self._ivf_keys = ivf_keys.ivf_keys
+        self._topk_small = topk_small
 
     def warm(self) -> None:
         """Compiles (or loads from the kernel cache) the kernel variant this index's searches
@@ -215,6 +217,7 @@ class CudaIvfIndex:
         ends = torch.full((1, 1), 2, dtype=torch.int64, device=dev)
         sq = torch.zeros(2, dtype=torch.float32, device=dev)
         self._ivf_keys(q, x, sq, ends, torch.zeros_like(ends), 64, self.metric == "l2")
+        self._topk_small.warm(dev)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
@@ -634,11 +637,10 @@ class CudaIvfIndex:
         the cumulative sizes of each query's probed lists; row j of its probed rows (j <
         ends[-1]) lies in its list s, the first whose end exceeds j, at main row base[s] + j.
         No host sync."""
-        torch = self._torch
         cscores = q @ self._centroids.T  # [nq, nlist]
         if self._half_c is not None:
             cscores -= self._half_c
-        lists = topk_rows(torch, cscores, probes)[1]  # [nq, P]
+        lists = self._topk(cscores, probes)[1]  # [nq, P]
         lens = self._sizes_t[lists]
         ends = lens.cumsum(dim=1)
         return ends, self._offsets[lists] - (ends - lens)
@@ -669,8 +671,16 @@ class CudaIvfIndex:
 
     def _top(self, keys: Any, rows: Any, k: int) -> tuple[Any, Any]:
         """The top-k [b, k] (key, id; padded with -inf) of keys [b, w] over main rows [b, w]."""
-        best, pos = topk_rows(self._torch, keys, min(k, keys.shape[1]))
+        best, pos = self._topk(keys, min(k, keys.shape[1]))
         return _pad(self._torch, best, self._main.ids[rows.gather(1, pos)], k)
+
+    def _topk(self, x: Any, k: int) -> tuple[Any, Any]:
+        """The top-k (values, positions; sorted) of each row of x [b, w]: with the kernels
+        (kernels.topk_small) for k up to its MAX_K, else :func:`topk_rows`."""
+        small = self._topk_small
+        if small is not None and k <= small.MAX_K and k <= x.shape[1]:
+            return small.topk_small(x, k)
+        return topk_rows(self._torch, x, k)
 
     def _scan(self, q: Any, k: int, part: _Part, ok: Any, dtype: Any) -> tuple[Any, Any]:
         """The top-k [nq, k] (ranking key, ids) of a part's rows allowed by ok: every row by
