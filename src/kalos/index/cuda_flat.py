@@ -153,6 +153,7 @@ class CudaFlatIndex:
                 f"device {device!r}: the Triton kernels run on CUDA, or on the CPU only "
                 "under TRITON_INTERPRET=1 (tests)"
             )
+        from kalos.index.kernels import batch_topk
         from kalos.index.kernels import scan_topk as kernels  # imports triton
 
         if scan == "auto":
@@ -173,6 +174,8 @@ class CudaFlatIndex:
         # prefiltered graphs take the int8 scan from this many live rows on (below it the
         # full scan is as fast: kernels.PREFILTER_MIN_ROWS)
         self.prefilter_min_rows = CODES4_MIN_ROWS if scan == "4bit" else kernels.PREFILTER_MIN_ROWS
+        # batches from this size bucket on take the two-pass search (kernels.batch_topk)
+        self.two_pass_min_batch = batch_topk.MIN_BATCH
         # a [programs + 1, 8] int64 tensor that fused scans launched from now on fill with
         # where their time goes (kernels.scan_topk's trace; scripts/search_gpu_phases.py)
         self.trace: Any = None
@@ -183,6 +186,7 @@ class CudaFlatIndex:
         self.precompiled: dict[str, Any] | None = None
         self._torch = torch
         self._k = kernels
+        self._bt = batch_topk
         self._metric_code = _METRICS[metric]
         self._tdtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
         self._on_gpu = dev.type == "cuda"
@@ -217,6 +221,9 @@ class CudaFlatIndex:
         with torch.cuda.device(dev) if self._on_gpu else _nullcontext():
             self._n_dev = torch.zeros(1, dtype=torch.int32, device=dev)
             self._no_filter = torch.zeros(3, dtype=torch.int64, device=dev)
+            # the largest |x|^2 added since the last reset (the two-pass search's slack);
+            # allocated once, so captured graphs keep it
+            self._sq_max = torch.zeros(1, dtype=torch.float32, device=dev)
             if scan == "4bit":
                 from kalos.index.kernels import codes4
 
@@ -357,6 +364,7 @@ class CudaFlatIndex:
 
         stored = x.to(self._tdtype)
         sq = stored.float().square().sum(dim=1)
+        torch.maximum(self._sq_max, sq.max().reshape(1), out=self._sq_max)
         ids_t = torch.from_numpy(id_arr).to(self.device)
         sc_t = torch.from_numpy(np.ascontiguousarray(sc.T)).to(self.device)
         codes = meta = None
@@ -457,6 +465,7 @@ class CudaFlatIndex:
         self._sorted = None
         self._row_ids[: self._n] = -1
         self._set_n(0)
+        self._sq_max.zero_()
 
     # ------------------------------------------------------------------------------ reads
 
@@ -706,6 +715,12 @@ class CudaFlatIndex:
     def _fast(self, nq: int, k: int) -> bool:
         return bool(self._k.fast_path_ok(nq, k, self.dim, self._elem))
 
+    def _two_pass(self, nq: int, k: int) -> bool:
+        """Whether a batch of ``nq`` takes kernels.batch_topk's two passes: from a size bucket
+        (the next power of two, as the kernels' variants go) of ``two_pass_min_batch`` on."""
+        bucket = self._k.next_pow2(nq)
+        return nq > 1 and bucket >= self.two_pass_min_batch and self._fast(nq, k)
+
     def _programs(self, cfg: Any, k: int) -> int:
         bn = max(cfg.block_n, self._k.key_width(k))
         tiles = max(1, math.ceil(self._cap / bn))
@@ -757,6 +772,12 @@ class CudaFlatIndex:
             ws.update(cfg=cfg, programs=p, prefilter=True)
             lists = kern.key_width(min(self.prefilter_lists or kern.prefilter_lists(kk, p), kk))
             ws["cand"] = torch.empty((nq, p, lists), dtype=torch.int64, device=dev)
+        elif self._two_pass(nq, k):
+            cfg = self._config(nq, k)
+            tiles = self._bt.tiles(self._cap, cfg, k)
+            ws.update(cfg=cfg, programs=self._programs(cfg, k), two_pass=True)
+            ws["tmax"] = torch.empty((nq, tiles), dtype=torch.float32, device=dev)
+            ws["lists"] = torch.empty((nq, tiles), dtype=torch.int32, device=dev)
         elif self._fast(nq, k):
             cfg = self._config(nq, k)
             p = self._programs(cfg, k)
@@ -861,6 +882,16 @@ class CudaFlatIndex:
         nq = q.shape[0]
         if ws.get("codes4"):
             self._launch4(q, k, filt, scoped, scores, ids, ws, status, publish, gate)
+            return
+        if ws.get("two_pass"):
+            if not self._two_pass(nq, k):  # a tail batch below the two passes' size
+                self._launch(q, k, filt, scoped, scores, ids, self._workspace(nq, k))
+                return
+            self._bt.search(
+                self._vecs, self._sq, self._sq_max, self._scopes, filt, q, self._n_dev, self._ids,
+                ws["tmax"], ws["lists"], scores, ids, k=k, metric=self._metric_code,
+                scoped=scoped, programs=ws["programs"], cfg=ws["cfg"],
+            )  # fmt: skip
             return
         if "cand" in ws and (ws.get("prefilter") or self._fast(nq, k)):
             p = ws["programs"]
