@@ -394,7 +394,7 @@ def _through_sidecar(
                     client.search(q, args.k, nprobe=nprobe, payloads=False)
                 stages: list[Any] = []
 
-                def one(q: np.ndarray, p: int = nprobe) -> np.ndarray:
+                def one(q: np.ndarray, p: int = nprobe, stages: list[Any] = stages) -> Any:
                     r = client.search(q, args.k, nprobe=p, payloads=False, copy=True)
                     stages.append(r.timings)
                     return r.ids
