@@ -141,3 +141,20 @@ def check_result(idx, x, ids, scopes, q, k, s, got, scope=None):
                 must, ok = cid[cand > kth + tol[i]], r >= kth - tol[i]
             assert set(must.tolist()) <= set(valid.tolist()), "missed a true top-k item"
             assert ok.all(), "returned an item outside the top-k (beyond ties)"
+
+
+def rounding_flips_the_order(rng, dim):
+    """(q, a, b): fp16-exact rows a and b, b the better one for the fp32 query q by 1e-3 or
+    more, and the worse one by as much for q rounded to fp16 (a batch's tensor-core dot)."""
+    q = rng.standard_normal(dim).astype(np.float32)
+    q64, q16 = q.astype(np.float64), q.astype(np.float16).astype(np.float64)
+    d = q64 - q16
+    perp = d - (d @ q16) / (q16 @ q16) * q16
+    perp /= np.linalg.norm(perp)
+    a = (q64 + rng.standard_normal(dim)).astype(np.float16).astype(np.float64)  # q . a > 0
+    for _ in range(100_000):
+        shift = rng.uniform(0.5, 4) * perp + rng.uniform(-0.01, 0.01) * q16 / np.linalg.norm(q16)
+        b = (a + shift).astype(np.float16).astype(np.float64)
+        if (b - a) @ q64 > 1e-3 and (b - a) @ q16 < -1e-3:
+            return q, a.astype(np.float32), b.astype(np.float32)
+    raise AssertionError("no such pair")

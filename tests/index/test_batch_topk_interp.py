@@ -13,7 +13,7 @@ from triton_interp import torch, triton  # noqa: F401  (first: sets TRITON_INTER
 import numpy as np
 import pytest
 
-from cuda_reference import check_result, check_search, make_index
+from cuda_reference import check_result, check_search, make_index, rounding_flips_the_order
 from kalos.index.kernels import batch_topk
 
 
@@ -180,23 +180,6 @@ def test_workspace_too_small_is_refused():
         )  # fmt: skip
 
 
-def _rounding_flips_the_order(rng, dim):
-    """(q, a, b): fp16-exact rows a and b, b the better one for the fp32 query q by 1e-3 or
-    more, and the worse one by as much for q rounded to fp16 (a batch's tensor-core dot)."""
-    q = rng.standard_normal(dim).astype(np.float32)
-    q64, q16 = q.astype(np.float64), q.astype(np.float16).astype(np.float64)
-    d = q64 - q16
-    perp = d - (d @ q16) / (q16 @ q16) * q16
-    perp /= np.linalg.norm(perp)
-    a = (q64 + rng.standard_normal(dim)).astype(np.float16).astype(np.float64)  # q . a > 0
-    for _ in range(100_000):
-        shift = rng.uniform(0.5, 4) * perp + rng.uniform(-0.01, 0.01) * q16 / np.linalg.norm(q16)
-        b = (a + shift).astype(np.float16).astype(np.float64)
-        if (b - a) @ q64 > 1e-3 and (b - a) @ q16 < -1e-3:
-            return q, a.astype(np.float32), b.astype(np.float32)
-    raise AssertionError("no such pair")
-
-
 def test_slack_keeps_a_tile_the_rounded_query_ranks_below():
     """Row b scores best for the query, but below row a (in another tile) once the query is
     rounded to fp16 as the first pass's dot takes it: the slack keeps b's tile, and the batch
@@ -204,7 +187,7 @@ def test_slack_keeps_a_tile_the_rounded_query_ranks_below():
     rounded query, answers a)."""
     rng = np.random.default_rng(21)
     dim, n = 64, 300
-    q, a, b = _rounding_flips_the_order(rng, dim)
+    q, a, b = rounding_flips_the_order(rng, dim)
     x = (0.01 * rng.standard_normal((n, dim))).astype(np.float32)
     x[0], x[150] = a, b  # different tiles
     ids = np.arange(1, n + 1, dtype=np.int64)

@@ -15,8 +15,11 @@ Rows ``[0, n)`` are live and dense: a removal moves the last rows into the holes
 pays for holes and a removed item can never be returned. The id -> row map lives on the host.
 
 Search (see ``kalos.index.kernels.scan_topk``) is two kernel launches for k <= 256 (nq == 1) or
-k <= 64 (batches): the fused scan + per-program top-k, and a merge of the candidates. Larger k
-takes a slower general path: every row's key, then ``torch.topk``.
+k <= 64 (batches): the fused scan + per-program top-k, and a merge of the candidates. Batches
+from ``two_pass_min_batch``'s size bucket on take two other launches instead
+(``kalos.index.kernels.batch_topk``): each tile's best score per query, then per query the
+tiles that can hold its top-k, scored again. Larger k takes a slower general path: every
+row's key, then ``torch.topk``.
 
 Three ways in, by cost:
 

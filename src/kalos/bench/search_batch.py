@@ -1,0 +1,204 @@
+"""search-batch: exact batched search in process, per batch size: two passes against one scan.
+
+One corpus (``--corpus``, :mod:`kalos.bench.corpora`; default ``clustered`` 1M x 384) in a
+``cuda:flat,fp16`` index. For each batch size of ``--batches``, ``--calls`` searches of that
+many of the corpus's held-out queries, each a replay of the index's CUDA graph for that
+shape (``CudaFlatIndex.graph``) and a wait for it, timed on the host:
+
+- ``two-pass``: batches from ``kernels.batch_topk.MIN_BATCH``'s size bucket on take each
+  tile's best score, then the tiles that can hold a result (``kernels.batch_topk``); smaller
+  ones take the fused scan (their rows say ``two_pass: false``);
+- ``fused``: every batch through the fused scan and its per-program top-k lists
+  (``kernels.scan_topk``);
+- ``torch``: ``torch.topk(q @ db.T)`` on the same fp16 rows, the batch in one product.
+
+Every answer of the first ``--checked`` calls of each row is held against the exact top-k of
+the stored rows in float32: a result is wrong when its exact score is below the k-th best
+by more than the fp16 query's rounding allows (``checks.wrong_results``: the kalos paths;
+each row has its own ``wrong``). ``checks`` also
+gives each path's call of the largest batch over its one-query call. Rows: ``p50_us`` and ``p99_us``
+per call and ``us_per_query``. On the CPU (``--device cpu``) it needs ``TRITON_INTERPRET=1``
+and tiny sizes (the tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from kalos.bench import corpora
+from kalos.bench.common import (
+    load_average,
+    machine_name,
+    print_table,
+    summarize,
+    write_result,
+)
+from kalos.bench.plots import plot_result
+
+SCENARIO = "search-batch"
+PATHS = ("two-pass", "fused", "torch")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--corpus", choices=corpora.NAMES, default="clustered")
+    p.add_argument("--n", type=int, default=1_000_000)
+    p.add_argument("--dim", type=int, default=None,
+                   help="implied for real-384 and real-128; 384 for the others")  # fmt: skip
+    p.add_argument("--k", type=int, default=10)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--calls", type=int, default=200, help="timed calls per batch size and path")
+    p.add_argument("--checked", type=int, default=20,
+                   help="calls per row whose answers are checked")  # fmt: skip
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--append", action="store_true",
+                   help="add this run's set to the result file already there (a set of the "
+                        "same corpus, size and dim is replaced)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=corpora.SEED)
+    p.add_argument("--corpus-dir", default=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from kalos.index.cuda_flat import CudaFlatIndex
+    from kalos.index.kernels import batch_topk
+
+    dim = args.dim if args.corpus.startswith("real-") or args.dim else 384
+    corpus = corpora.load(
+        args.corpus, args.n, None if args.corpus.startswith("real-") else dim,
+        queries=max(1000, 4 * max(args.batches)), seed=args.seed, cache_dir=args.corpus_dir,
+        progress=not args.quiet,
+    )  # fmt: skip
+    dev = torch.device(args.device)
+    on_gpu = dev.type == "cuda"
+    index = CudaFlatIndex(dim=corpus.dim, metric="ip", spec="cuda:flat,fp16", device=str(dev))
+    chunk = 1 << 18
+    for lo in range(0, corpus.n, chunk):
+        hi = min(corpus.n, lo + chunk)
+        index.add(corpus.db[lo:hi], np.arange(lo, hi, dtype=np.int64))
+    queries = torch.from_numpy(np.ascontiguousarray(corpus.queries, np.float32)).to(dev)
+    stored = index._vecs[: corpus.n]  # the fp16 rows, as the kernels read them
+    stored32 = stored.float()  # the reference's rows (float32 of what is stored)
+    xmax = float(stored32.norm(dim=1).max())
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    k = args.k
+
+    def picks(b: int, i: int) -> Any:
+        lo = (i * b) % (len(queries) - b + 1)
+        return queries[lo : lo + b]
+
+    rows: list[dict[str, Any]] = []
+    samples: dict[str, dict[str, np.ndarray]] = {}
+    wrong_total = 0
+    for b in args.batches:
+        group = samples.setdefault(f"batch {b}", {})
+        for path in PATHS:
+            checked: list[tuple[Any, Any]] = []
+            call, two_pass = _caller(path, index, stored, b, k)
+            for i in range(5):  # the kernels compiled, the caches warm
+                call(picks(b, i))
+            sync()
+            lat = np.empty(args.calls, np.int64)
+            for i in range(args.calls):
+                q = picks(b, i)
+                sync()
+                t0 = time.perf_counter_ns()
+                got = call(q)
+                sync()
+                lat[i] = time.perf_counter_ns() - t0
+                if i < args.checked:
+                    checked.append((q, got.clone()))
+            wrong = _wrong(stored32, xmax, checked, k)
+            if path != "torch":  # torch's fp16 product is the baseline, not under test
+                wrong_total += wrong
+            row = summarize(path, lat, batch=b, two_pass=two_pass, wrong=wrong)
+            row["us_per_query"] = round(row["p50_us"] / b, 3)
+            rows.append(row)
+            group[path] = lat
+    index.two_pass_min_batch = batch_topk.MIN_BATCH
+    checks: dict[str, Any] = {"wrong_results": wrong_total, "checked_calls": args.checked}
+    p50 = {(r["system"], r["batch"]): r["p50_us"] for r in rows}
+    largest = max(args.batches)
+    if 1 in args.batches and largest > 1:  # the largest batch's call over one query's
+        checks["largest_over_one"] = {
+            "batch": largest,
+            **{p: round(p50[(p, largest)] / p50[(p, 1)], 2) for p in PATHS},
+        }
+    params = {
+        "corpus": corpus.name, "n": corpus.n, "dim": corpus.dim, "k": k, "metric": "ip",
+        "index": "cuda:flat,fp16", "device": str(dev), "batches": list(args.batches),
+        "calls": args.calls, "min_two_pass_batch": batch_topk.MIN_BATCH,
+        "corpus_info": corpus.info,
+    }  # fmt: skip
+    target = os.path.join(args.out, f"{SCENARIO}-{machine_name(args.machine)}.json")
+    previous: list[dict[str, Any]] = []
+    if args.append and os.path.exists(target):
+        with open(target) as f:
+            loaded = json.load(f)
+        same = (corpus.name, corpus.n, corpus.dim)
+        previous = [
+            s for s in (loaded if isinstance(loaded, list) else [loaded])
+            if (s["params"]["corpus"], s["params"]["n"], s["params"]["dim"]) != same
+        ]  # fmt: skip
+    path = write_result(SCENARIO, args.machine, params, rows, args.out, checks=checks,
+                        load_average=load_average())  # fmt: skip
+    if previous:
+        with open(path) as f:
+            doc = [*previous, json.load(f)]
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=2)
+            f.write("\n")
+    print_table(rows, ("system", "batch", "two_pass", "p50_us", "p99_us", "us_per_query", "wrong"))
+    print(checks)
+    print(f"wrote {path}")
+    png = plot_result(path, samples, title=f"search-batch: {corpus.name} {corpus.n:,} x "
+                      f"{corpus.dim}, top-{k}, time per call")  # fmt: skip
+    if png:
+        print(f"wrote {png}")
+    return 1 if wrong_total else 0
+
+
+def _caller(path: str, index: Any, stored: Any, b: int, k: int) -> tuple[Any, bool]:
+    """(a function: queries [b, dim] on the device -> their top-k ids, whether it takes the
+    two passes) for one row: a graph of the index on its path, or torch's product."""
+    import torch
+
+    from kalos.index.kernels import batch_topk
+
+    if path == "torch":
+        db16 = stored.T
+        return (lambda q: torch.topk(q.to(torch.float16) @ db16, k, dim=1).indices), False
+    index.two_pass_min_batch = batch_topk.MIN_BATCH if path == "two-pass" else 2**30
+    graph = index.graph(b, k)
+
+    def call(q: Any) -> Any:
+        graph.query.copy_(q)
+        graph.replay()
+        return graph.ids
+
+    return call, bool(graph._ws[0].get("two_pass"))
+
+
+def _wrong(stored32: Any, xmax: float, checked: list[tuple[Any, Any]], k: int) -> int:
+    """Results whose exact float32 score (over the stored rows, ``stored32``; ``xmax`` their
+    largest norm) is below the query's k-th best by more than the fp16 rounding of a batch's
+    query allows."""
+    import torch
+
+    wrong = 0
+    for q, ids in checked:
+        s = q.float() @ stored32.T  # [b, n]
+        kth = torch.topk(s, k, dim=1).values[:, -1:]
+        tol = 2e-3 * q.float().norm(dim=1, keepdim=True) * xmax
+        got = s.gather(1, ids.clamp(min=0))
+        wrong += int(((got < kth - tol) | (ids < 0)).sum())
+    return wrong
+
+
+__all__ = ["PATHS", "SCENARIO", "add_arguments", "run"]

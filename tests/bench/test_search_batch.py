@@ -1,0 +1,44 @@
+"""``kalos bench search-batch`` end to end on the CPU, under TRITON_INTERPRET=1, at a tiny size:
+every path and batch size timed and checked."""
+
+from __future__ import annotations
+
+# isort: off
+from triton_interp import torch, triton  # noqa: F401  (first: sets TRITON_INTERPRET)
+
+# isort: on
+
+import json
+
+from kalos.cli import build_parser
+
+
+def test_every_path_and_batch_size_is_timed_and_checked(tmp_path) -> None:
+    args = build_parser().parse_args(
+        ["bench", "search-batch", "--device", "cpu", "--n", "300", "--dim", "64",
+         "--batches", "1", "4", "8", "--calls", "2", "--checked", "2", "--k", "5",
+         "--out", str(tmp_path), "--machine", "test", "--quiet"]
+    )  # fmt: skip
+    assert args.func(args) == 0
+    path = tmp_path / "search-batch-test.json"
+    assert path.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    result = json.loads(path.read_text())
+    assert (result["params"]["n"], result["params"]["dim"]) == (300, 64)
+    rows = {(r["system"], r["batch"]): r for r in result["rows"]}
+    assert set(rows) == {(p, b) for p in ("two-pass", "fused", "torch") for b in (1, 4, 8)}
+    assert all(r["wrong"] == 0 and r["p99_us"] >= r["p50_us"] > 0 for r in rows.values())
+    assert [rows[("two-pass", b)]["two_pass"] for b in (1, 4, 8)] == [False, True, True]
+    assert not any(rows[("fused", b)]["two_pass"] for b in (1, 4, 8))
+    assert result["checks"]["wrong_results"] == 0
+    assert set(result["checks"]["largest_over_one"]) == {"batch", "two-pass", "fused", "torch"}
+
+
+def test_append_keeps_the_other_sets(tmp_path) -> None:
+    base = ["bench", "search-batch", "--device", "cpu", "--dim", "64", "--batches", "1", "4",
+            "--calls", "1", "--checked", "1", "--k", "3", "--out", str(tmp_path),
+            "--machine", "test", "--quiet"]  # fmt: skip
+    for n in ("200", "250", "200"):
+        args = build_parser().parse_args([*base, "--n", n, "--append"])
+        assert args.func(args) == 0
+    sets = json.loads((tmp_path / "search-batch-test.json").read_text())
+    assert sorted(s["params"]["n"] for s in sets) == [200, 250]  # the second 200 replaced
