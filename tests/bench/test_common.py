@@ -275,3 +275,21 @@ def test_pin_process_pins_every_thread_of_a_child():
         child.kill()
         child.wait()
     assert out.split(None, 1) == ["2", f"[{cpu}]\n"]
+
+
+def test_write_sets_appends_and_replaces_the_same_set(tmp_path) -> None:
+    from kalos.bench.common import write_sets
+
+    def write(n: int, dim: int, rows: list, append: bool = True) -> list:
+        path = write_sets("demo", "test", {"n": n, "dim": dim}, rows, str(tmp_path),
+                          append=append, same=("n", "dim"), checks={})  # fmt: skip
+        with open(path) as f:
+            doc = json.load(f)
+        return doc if isinstance(doc, list) else [doc]
+
+    assert len(write(10, 4, [{"a": 1}])) == 1
+    sets = write(20, 4, [{"a": 2}])
+    assert [s["params"]["n"] for s in sets] == [10, 20]
+    sets = write(10, 4, [{"a": 3}])  # the same parameters: replaced, now last
+    assert [(s["params"]["n"], s["rows"][0]["a"]) for s in sets] == [(20, 2), (10, 3)]
+    assert len(write(30, 8, [{"a": 4}], append=False)) == 1  # without append: this run only

@@ -127,6 +127,40 @@ def write_result(
     return path
 
 
+def write_sets(
+    scenario: str,
+    machine: str | None,
+    params: dict[str, Any],
+    rows: list[dict[str, Any]],
+    out_dir: str,
+    *,
+    append: bool,
+    same: Sequence[str],
+    **extra: Any,
+) -> str:
+    """:func:`write_result`; with ``append``, the parameter sets the file already holds stay
+    beside this run's (the file becomes a list of sets), but for one whose ``params`` agree
+    with this run's on every key of ``same``, which this run replaces. Returns the path."""
+    target = os.path.join(out_dir, f"{scenario}-{machine_name(machine)}.json")
+    previous: list[dict[str, Any]] = []
+    if append and os.path.exists(target):
+        with open(target) as f:
+            loaded = json.load(f)
+        mine = [params.get(key) for key in same]
+        previous = [
+            s for s in (loaded if isinstance(loaded, list) else [loaded])
+            if [s["params"].get(key) for key in same] != mine
+        ]  # fmt: skip
+    path = write_result(scenario, machine, params, rows, out_dir, **extra)
+    if previous:
+        with open(path) as f:
+            doc = [*previous, json.load(f)]
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=2)
+            f.write("\n")
+    return path
+
+
 def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 

@@ -40,10 +40,9 @@ from kalos import index as kindex
 from kalos.bench import corpora
 from kalos.bench.common import (
     load_average,
-    machine_name,
     print_table,
     summarize,
-    write_result,
+    write_sets,
 )
 from kalos.bench.plots import plot_recall
 from kalos.index.cpu_ivf import suggested_nlist
@@ -338,25 +337,9 @@ def _run(args: argparse.Namespace) -> int:
     if profile is not None:
         params["profile"] = profile
     checks = {"recall_queries": len(queries), "recall_against": "float32 brute force"}
-    target = os.path.join(args.out, f"{SCENARIO}-{machine_name(args.machine)}.json")
-    previous: list[dict[str, Any]] = []
-    if args.append and os.path.exists(target):
-        with open(target) as f:
-            loaded = json.load(f)
-        same = (corpus.name, n, dim, spec)  # a set of the same parameters is replaced
-        previous = [
-            s for s in (loaded if isinstance(loaded, list) else [loaded])
-            if (s["params"]["corpus"], s["params"]["n"], s["params"]["dim"],
-                s["params"]["index"]) != same
-        ]  # fmt: skip
-    path = write_result(SCENARIO, args.machine, params, rows, args.out, checks=checks,
-                        load_average=load_average())  # fmt: skip
-    if previous:
-        with open(path) as f:
-            doc = [*previous, json.load(f)]
-        with open(path, "w") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
+    path = write_sets(SCENARIO, args.machine, params, rows, args.out, append=args.append,
+                      same=("corpus", "n", "dim", "index"), checks=checks,
+                      load_average=load_average())  # fmt: skip
     print(f"wrote {path}")
     with open(path) as f:
         written = json.load(f)
