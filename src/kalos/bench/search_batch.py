@@ -24,8 +24,6 @@ and tiny sizes (the tests).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 from typing import Any
 
@@ -34,10 +32,9 @@ import numpy as np
 from kalos.bench import corpora
 from kalos.bench.common import (
     load_average,
-    machine_name,
     print_table,
     summarize,
-    write_result,
+    write_sets,
 )
 from kalos.bench.plots import plot_result
 
@@ -136,24 +133,9 @@ def run(args: argparse.Namespace) -> int:
         "calls": args.calls, "min_two_pass_batch": batch_topk.MIN_BATCH,
         "corpus_info": corpus.info,
     }  # fmt: skip
-    target = os.path.join(args.out, f"{SCENARIO}-{machine_name(args.machine)}.json")
-    previous: list[dict[str, Any]] = []
-    if args.append and os.path.exists(target):
-        with open(target) as f:
-            loaded = json.load(f)
-        same = (corpus.name, corpus.n, corpus.dim)
-        previous = [
-            s for s in (loaded if isinstance(loaded, list) else [loaded])
-            if (s["params"]["corpus"], s["params"]["n"], s["params"]["dim"]) != same
-        ]  # fmt: skip
-    path = write_result(SCENARIO, args.machine, params, rows, args.out, checks=checks,
-                        load_average=load_average())  # fmt: skip
-    if previous:
-        with open(path) as f:
-            doc = [*previous, json.load(f)]
-        with open(path, "w") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
+    path = write_sets(SCENARIO, args.machine, params, rows, args.out, append=args.append,
+                      same=("corpus", "n", "dim"), checks=checks,
+                      load_average=load_average())  # fmt: skip
     print_table(rows, ("system", "batch", "two_pass", "p50_us", "p99_us", "us_per_query", "wrong"))
     print(checks)
     print(f"wrote {path}")
