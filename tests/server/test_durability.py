@@ -155,12 +155,17 @@ def test_a_full_disk_refuses_writes_and_serves_reads(tmp_path: Path) -> None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
 
-    proc = subprocess.Popen(cmd, preexec_fn=small_files, stderr=subprocess.DEVNULL)
+    log = tmp_path / "sidecar.err"  # its stderr (its first 64 KiB, under the same limit)
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(cmd, preexec_fn=small_files, stderr=err)
     sock = str(run / "full.sock")
     acked: list[int] = []
     try:
-        wait_for_socket(sock, proc)
-        wait_ready(sock, proc)
+        try:
+            wait_for_socket(sock, proc)
+            wait_ready(sock, proc)
+        except kalos.ConnectError as exc:  # what the sidecar said, to see why
+            raise AssertionError(f"{exc}:\n{log.read_text(errors='replace')[-3000:]}") from exc
         # uds: the limit also applies to the memfd of a shm channel
         with kalos.connect(
             "full", runtime_dir=str(run), timeout=TIMEOUT, transport="uds"
