@@ -214,12 +214,12 @@ def test_a_failed_plot_keeps_the_json_and_says_why(tmp_path, capsys):
 def test_search_gpu_stage_split_names_the_tail() -> None:
     """search-gpu's stage split: medians, p99s, and each stage's mean over the calls slower
     than the round trip's p99, so a slow 1% shows which stage it comes from."""
-    from kalos.bench.search_gpu import _stage_medians
+    from kalos.bench.common import stage_medians
     from kalos.client import Timings
 
     fast = [Timings(1.0, 90.0, 0.0, 100.0)] * 990
     slow = [Timings(1.0, 90.0, 0.0, 140.0)] * 10  # the client's share is 40 µs larger
-    got = _stage_medians(fast + slow)
+    got = stage_medians(fast + slow)
     assert got["compute_us"] == 90.0 and got["client_us"] == 9.0
     assert got["tail"] == {"calls": 10, "queue_us": 1.0, "compute_us": 90.0, "write_us": 0.0,
                            "client_us": 49.0}  # fmt: skip

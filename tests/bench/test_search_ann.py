@@ -53,11 +53,11 @@ def test_the_bench_sweeps_nprobe_in_process_and_through_a_sidecar(tmp_path) -> N
     # the sidecar loads the same rows, builds the same index, answers the same
     assert rows[("kalos-shm", 1)]["recall_at_10"] == one
     assert rows[("kalos-shm", 32)]["recall_at_10"] == 1.0
-    # where the sidecar's round trips went: every stage, p50 within p99
+    # where the sidecar's round trips went: every stage, its median within its p99
     stages = rows[("kalos-shm", 1)]["stages_us"]
-    assert set(stages["p50"]) == {"queue", "compute", "write", "client"}
-    assert 0 < stages["p50"]["compute"] <= stages["p99"]["compute"]
-    assert stages["p50"]["client"] > 0
+    for stage in ("queue", "compute", "write", "client"):
+        assert 0 <= stages[f"{stage}_us"] <= stages[f"{stage}_p99_us"]
+    assert stages["compute_us"] > 0 and stages["client_us"] > 0
     assert all(r["p50_us"] > 0 and r["p99_us"] >= r["p50_us"] for r in rows.values())
     assert result["params"]["build"]["trainings"] >= 1
 

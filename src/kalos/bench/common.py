@@ -362,6 +362,26 @@ def split_stages(
     return (write, queue, compute, out, (t1_ns - t0_ns) / 1e3 - write - queue - compute - out)
 
 
+def stage_medians(timings: list[Any]) -> dict[str, Any]:
+    """Median µs of each stage over a run's calls: the sidecar's queue (publish → picked
+    up), compute (decode, search, sync) and write (response encoding), and the client's own
+    share (encoding, publishing, waking, decoding: its round trip less the three); with the
+    p99 of each, and ``tail``: each stage's mean over the calls slower than the p99 of the
+    round trip (where the tail comes from)."""
+    t = np.array([(x.queue_us, x.compute_us, x.write_us, x.total_us) for x in timings])
+    client = t[:, 3] - t[:, 0] - t[:, 1] - t[:, 2]
+    stages = {"queue_us": t[:, 0], "compute_us": t[:, 1], "write_us": t[:, 2],
+              "client_us": client}  # fmt: skip
+    out: dict[str, Any] = {k: round(float(np.median(v)), 2) for k, v in stages.items()}
+    out.update({k.replace("_us", "_p99_us"): round(float(np.percentile(v, 99)), 2)
+                for k, v in stages.items()})  # fmt: skip
+    slow = t[:, 3] > np.percentile(t[:, 3], 99)
+    if slow.any():
+        tail = {k: round(float(v[slow].mean()), 2) for k, v in stages.items()}
+        out["tail"] = {"calls": int(slow.sum()), **tail}
+    return out
+
+
 def stage_summary(stages: np.ndarray) -> dict[str, Any]:
     """Mean and p50 of each stage of ``stages`` ([n, 5] µs; NaN rows skipped). The means sum
     to the mean round trip; the p50s do not sum to anything."""

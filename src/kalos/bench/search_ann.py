@@ -41,6 +41,7 @@ from kalos.bench import corpora
 from kalos.bench.common import (
     load_average,
     print_table,
+    stage_medians,
     summarize,
     write_sets,
 )
@@ -385,26 +386,12 @@ def _through_sidecar(
                 lat, got = _time_searches(one, queries)
                 row = summarize("kalos-shm", lat, index=spec, nprobe=nprobe)
                 row.update(recall_at_10=round(recall_at(got, truth), 5),
-                           stages_us=stage_split(stages))  # fmt: skip
+                           stages_us=stage_medians(stages))  # fmt: skip
                 rows.append(row)
             client.close()
             if args.clients > 0:
                 rows.append(_concurrent(args, sidecar, spec, queries, truth, rows))
     return rows
-
-
-def stage_split(timings: list[Any]) -> dict[str, dict[str, float]]:
-    """Where a sidecar search's time went, from each call's ``Client`` timings: p50 and p99
-    of the wait for pick-up (``queue``), the sidecar's work (``compute``: validation and
-    the search), its response's encoding (``write``), and the rest of the round trip
-    (``client``: the request's encoding, the transport, the wake and the decoding)."""
-    t = np.array([(x.queue_us, x.compute_us, x.write_us, x.total_us) for x in timings])
-    parts = {"queue": t[:, 0], "compute": t[:, 1], "write": t[:, 2],
-             "client": t[:, 3] - t[:, 0] - t[:, 1] - t[:, 2]}  # fmt: skip
-    return {
-        q: {name: round(float(np.percentile(v, pct)), 1) for name, v in parts.items()}
-        for q, pct in (("p50", 50), ("p99", 99))
-    }
 
 
 def _concurrent(
@@ -511,4 +498,4 @@ def panel(result: dict[str, Any]) -> tuple[str, dict[str, list[tuple[float, floa
     return title, curves
 
 
-__all__ = ["SCENARIO", "add_arguments", "ground_truth", "panel", "recall_at", "run", "stage_split"]
+__all__ = ["SCENARIO", "add_arguments", "ground_truth", "panel", "recall_at", "run"]

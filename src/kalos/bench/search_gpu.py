@@ -38,6 +38,7 @@ from kalos.bench.common import (
     add_affinity_argument,
     cpu_split,
     print_table,
+    stage_medians,
     summarize,
     write_result,
 )
@@ -94,7 +95,7 @@ def _timed_host(
     before = client.stats()
     samples, wall = _host_times(timed, args.queries)
     after = client.stats()
-    stages = _stage_medians(timings)
+    stages = stage_medians(timings)
     # calls the kernel answered itself: their compute stage ends at the launch, and the
     # kernel's time falls in the client's share (docs/PROTOCOL.md); those the GPU also picked
     # up (the doorbell) have no sidecar stage at all
@@ -357,26 +358,6 @@ def _run_size(args: argparse.Namespace, torch: Any, corpus: corpora.Corpus, bw: 
                        "corpus_info": corpus.info},
             "rows": rows, "summary": summary, "checks": {"wrong_results": wrong},
             "stage_median_us": stages, "affinity": affinity}  # fmt: skip
-
-
-def _stage_medians(timings: list[Any]) -> dict[str, Any]:
-    """Median µs of each stage over a run's calls: the sidecar's queue (publish → picked
-    up), compute (decode, search, sync) and write (response encoding), and the client's own
-    share (encoding, publishing, waking, decoding: its round trip less the three); with the
-    p99 of each, and ``tail``: each stage's mean over the calls slower than the p99 of the
-    round trip (where the tail comes from)."""
-    t = np.array([(x.queue_us, x.compute_us, x.write_us, x.total_us) for x in timings])
-    client = t[:, 3] - t[:, 0] - t[:, 1] - t[:, 2]
-    stages = {"queue_us": t[:, 0], "compute_us": t[:, 1], "write_us": t[:, 2],
-              "client_us": client}  # fmt: skip
-    out: dict[str, Any] = {k: round(float(np.median(v)), 2) for k, v in stages.items()}
-    out.update({k.replace("_us", "_p99_us"): round(float(np.percentile(v, 99)), 2)
-                for k, v in stages.items()})  # fmt: skip
-    slow = t[:, 3] > np.percentile(t[:, 3], 99)
-    if slow.any():
-        tail = {k: round(float(v[slow].mean()), 2) for k, v in stages.items()}
-        out["tail"] = {"calls": int(slow.sum()), **tail}
-    return out
 
 
 def _tie_ok(
