@@ -29,6 +29,7 @@ pytestmark = pytest.mark.gpu
 def test_matches_the_float64_reference(metric, dtype, dim, n, nq, k):
     rng = np.random.default_rng(hash((metric, dtype, dim, n, nq, k)) % 2**32)
     idx = make_index(metric, dtype, dim, "cuda")
+    idx.two_pass_min_batch = 2  # every batch through the two passes
     x = rng.standard_normal((n, dim)).astype(np.float32)
     ids = np.arange(1, n + 1, dtype=np.int64)
     idx.add(x, ids)
@@ -68,6 +69,7 @@ def test_slack_keeps_a_tile_the_rounded_query_ranks_below():
     idx = make_index("ip", "fp16", dim, "cuda")
     idx.add(x, ids)
     _, got = idx.search(np.tile(q, (batch_topk.MIN_BATCH, 1)), 1)
+    assert idx._two_pass(batch_topk.MIN_BATCH, 1)
     assert got[:, 0].tolist() == [n - 4] * batch_topk.MIN_BATCH
 
 

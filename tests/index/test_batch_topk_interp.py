@@ -18,20 +18,24 @@ from kalos.index.kernels import batch_topk
 
 
 def _index(metric, dtype, dim, x, ids, scopes=None):
+    """An index whose every batch (2 queries or more) takes the two passes."""
     idx = make_index(metric, dtype, dim, "cpu")
+    idx.two_pass_min_batch = 2
     idx.add(x, ids, scopes)
     return idx
 
 
-def test_batches_take_the_two_passes_and_single_queries_do_not():
-    idx = _index("ip", "fp16", 32, np.ones((10, 32), np.float32), np.arange(10, dtype=np.int64))
-    assert idx._two_pass(batch_topk.MIN_BATCH, 10)
-    assert idx._two_pass(batch_topk.MIN_BATCH // 2 + 1, 10)  # the same size bucket
-    assert not idx._two_pass(1, 10) and not idx._two_pass(batch_topk.MIN_BATCH // 2, 10)
-    assert not idx._two_pass(8, 100)  # k beyond the batch fast path: the general path
-    assert idx._workspace(8, 10).get("two_pass")
-    idx.two_pass_min_batch = 10**9
-    assert not idx._workspace(8, 10, private=True).get("two_pass")
+def test_large_batches_take_the_two_passes_and_single_queries_do_not():
+    idx = make_index("ip", "fp16", 32, "cpu")
+    idx.add(np.ones((10, 32), np.float32), np.arange(10, dtype=np.int64))
+    assert idx.two_pass_min_batch == batch_topk.MIN_BATCH == 32
+    assert idx._two_pass(32, 10) and idx._two_pass(17, 10)  # the same size bucket
+    assert not idx._two_pass(1, 10) and not idx._two_pass(16, 10)
+    assert not idx._two_pass(32, 100)  # k beyond the batch fast path: the general path
+    assert idx._workspace(32, 10).get("two_pass")
+    assert not idx._workspace(8, 10).get("two_pass")
+    idx.two_pass_min_batch = 2
+    assert idx._two_pass(2, 10) and idx._workspace(2, 10, private=True).get("two_pass")
 
 
 @pytest.mark.parametrize(
@@ -148,7 +152,7 @@ def test_same_answers_as_the_fused_scan_and_through_a_graph():
     s1, i1 = idx.search(q, k, scope=(1, 2, 0))
     np.testing.assert_array_equal(i2, i1)  # distinct scores here: the same rows, in order
     np.testing.assert_allclose(s2, s1, rtol=2e-3, atol=2e-3)
-    idx.two_pass_min_batch = batch_topk.MIN_BATCH
+    idx.two_pass_min_batch = 2
     g = idx.graph(nq, k, scope_active=True)
     assert g._ws[0].get("two_pass")
     g.query.copy_(torch.from_numpy(q))
@@ -192,10 +196,10 @@ def test_slack_keeps_a_tile_the_rounded_query_ranks_below():
     x[0], x[150] = a, b  # different tiles
     ids = np.arange(1, n + 1, dtype=np.int64)
     idx = _index("ip", "fp16", dim, x, ids)
-    batch = np.tile(q, (batch_topk.MIN_BATCH, 1))
+    batch = np.tile(q, (4, 1))
     _, got = idx.search(batch, 1)
     assert int(np.argmax(x.astype(np.float64) @ q.astype(np.float64))) == 150
-    assert got[:, 0].tolist() == [151] * batch_topk.MIN_BATCH
+    assert got[:, 0].tolist() == [151] * 4
 
 
 @pytest.mark.parametrize("k", [1, 10, 16])

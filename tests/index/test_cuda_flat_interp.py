@@ -163,6 +163,29 @@ def test_fused_final_top_k_matches_the_merge_launch():
             np.testing.assert_array_equal(a[0], b[0])
 
 
+@pytest.mark.parametrize("lanes", [8, 16])
+def test_a_batch_selected_in_more_lanes_than_queries(lanes):
+    """A batch of 2 or 3 queries whose selection runs in 8 or 16 lanes (the lanes past the
+    batch masked out: they must neither add rows nor raise a bound) gives each query its
+    exact top-k, with and without a scope."""
+    from kalos.index.kernels import scan_topk
+
+    rng = np.random.default_rng(31)
+    dim, n = 64, 700
+    x = rng.standard_normal((n, dim)).astype(np.float32)
+    ids = np.arange(n, dtype=np.int64) + 3
+    scopes = np.stack([rng.integers(1, 3, n)] * 3, axis=1).astype(np.int64)
+    for metric in ("ip", "l2"):
+        idx = make_index(metric, "fp16", dim, "cpu")
+        idx.scan_config = scan_topk.choose_config(dim, 2, 2, 10, False).replace(lanes=lanes)
+        idx.add(x, ids, scopes)
+        for nq in (2, 3):
+            assert scan_topk.select_lanes(nq, idx.scan_config) == lanes
+            q = rng.standard_normal((nq, dim)).astype(np.float32)
+            check_search(idx, x, ids, scopes, q, 10)
+            check_search(idx, x, ids, scopes, q, 10, scope=(1, 0, 0))
+
+
 def test_group_bound_needs_k_groups():
     """The skip bound from group bests must take k groups: here the best 8 rows lie one per
     group 0..7 and the 9th and 10th in a program that runs last (the interpreter runs programs

@@ -5,9 +5,10 @@ One corpus (``--corpus``, :mod:`kalos.bench.corpora`; default ``clustered`` 1M x
 many of the corpus's held-out queries, each a replay of the index's CUDA graph for that
 shape (``CudaFlatIndex.graph``) and a wait for it, timed on the host:
 
-- ``two-pass``: batches from ``kernels.batch_topk.MIN_BATCH``'s size bucket on take each
-  tile's best score, then the tiles that can hold a result (``kernels.batch_topk``); smaller
-  ones take the fused scan (their rows say ``two_pass: false``);
+- ``two-pass``: every batch of 2 or more takes each tile's best score, then the tiles that can
+  hold a result (``kernels.batch_topk``; a single query takes the fused scan, its row says
+  ``two_pass: false``). The index's default takes them from ``batch_topk.MIN_BATCH``'s size
+  bucket on (``params.default_two_pass_batch``), where this benchmark shows them faster;
 - ``fused``: every batch through the fused scan and its per-program top-k lists
   (``kernels.scan_topk``);
 - ``torch``: ``torch.topk(q @ db.T)`` on the same fp16 rows, the batch in one product.
@@ -40,6 +41,7 @@ from kalos.bench.plots import plot_result
 
 SCENARIO = "search-batch"
 PATHS = ("two-pass", "fused", "torch")
+TWO_PASS_FROM = 2  # the two-pass rows: every batch from this size
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -130,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
     params = {
         "corpus": corpus.name, "n": corpus.n, "dim": corpus.dim, "k": k, "metric": "ip",
         "index": "cuda:flat,fp16", "device": str(dev), "batches": list(args.batches),
-        "calls": args.calls, "min_two_pass_batch": batch_topk.MIN_BATCH,
+        "calls": args.calls, "two_pass_from": TWO_PASS_FROM,
+        "default_two_pass_batch": batch_topk.MIN_BATCH,
         "corpus_info": corpus.info,
     }  # fmt: skip
     path = write_sets(SCENARIO, args.machine, params, rows, args.out, append=args.append,
@@ -151,12 +154,10 @@ def _caller(path: str, index: Any, stored: Any, b: int, k: int) -> tuple[Any, bo
     two passes) for one row: a graph of the index on its path, or torch's product."""
     import torch
 
-    from kalos.index.kernels import batch_topk
-
     if path == "torch":
         db16 = stored.T
         return (lambda q: torch.topk(q.to(torch.float16) @ db16, k, dim=1).indices), False
-    index.two_pass_min_batch = batch_topk.MIN_BATCH if path == "two-pass" else 2**30
+    index.two_pass_min_batch = TWO_PASS_FROM if path == "two-pass" else 2**30
     graph = index.graph(b, k)
 
     def call(q: Any) -> Any:

@@ -61,9 +61,12 @@ from kalos.index.kernels.scan_topk import (
 )
 
 CHUNK = 1024  # tile maxima a program reads at once in the second pass
-# The smallest size bucket (next power of two of the batch) that takes the two passes; below
-# it the fused scan sorts few enough tiles (module doc)
-MIN_BATCH = 4
+# The smallest size bucket (next power of two of the batch) that takes the two passes. Below it
+# the fused scan is as fast or faster: on an H100 (kalos bench search-batch, search-batch-H100.json)
+# at 1M x 384 a batch of 16 took 351 µs fused against 477 in two passes, of 32 880 against 514;
+# at 10M x 128 16 took 1,527 against 1,658, 32 2,776 against 1,669. The second pass's time
+# (~180 µs at 1M rows, one program a query) is most of the difference at small batches.
+MIN_BATCH = 32
 
 _MAX_DYNAMIC = ("q_ptr", "nq", "cap", "TW", "stride_q")
 _RESCORE_DYNAMIC = ("q_ptr", "scores_ptr", "out_ids_ptr", "k", "cap", "TW", "stride_q",
