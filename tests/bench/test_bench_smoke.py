@@ -193,6 +193,13 @@ def test_load_bench(tmp_path):
         assert (system, True) in systems and (system, False) in systems  # closed, then swept
     assert {r["system"] for r in tasks["rows"]} == {"kalos-shm-async"}
     assert threads["checks"]["sidecar_stats"]["unbatched"]["batches"] == 0
+    for r in threads["rows"]:  # each kalos row: the sidecar's batches during that run
+        if r["system"].startswith("kalos-shm"):
+            assert {"batches", "mean_batch", "batched_share"} == set(r["sidecar_batches"])
+            if r["system"] == "kalos-shm-unbatched":
+                assert r["sidecar_batches"]["batches"] == 0
+        else:
+            assert "sidecar_batches" not in r
     # --append: another corpus size's set joins the file (the same one would be replaced)
     args = ["load", "--corpus", "clustered", "--n", "1000", "--dim", "64", "--queries", "20",
             "--threads", "1", "--processes", "2", "--duration", "0.2", "--fractions", "0.5",

@@ -28,8 +28,10 @@ Every system computes with one BLAS thread (the sidecar's ``--compute-threads`` 
 Every answer is checked, tie-aware, against an exact float32 reference computed first.
 ``checks.batch64_over_one``: one kalos call with 64 queries over one call with one query
 (medians). Writes ``load-<machine>.json``: one parameter set per client layout, each row a
-system at one offered rate (``offered_qps``; ``null``: closed loop), and a PNG of p50, p99
-and p99.9 against achieved searches per second.
+system at one offered rate (``offered_qps``; ``null``: closed loop; a kalos shm row's
+``sidecar_batches``: the batches of two or more the sidecar formed meanwhile, their mean size
+and the share of the searches they answered), and a PNG of p50, p99 and p99.9 against
+achieved searches per second.
 """
 
 from __future__ import annotations
@@ -571,9 +573,15 @@ def _run(args: argparse.Namespace) -> int:
         system: str,
         layout: str,
         drive: Callable[[float, int], tuple[list[float], int, float, float]],
+        batches: Callable[[], tuple[int, int]] | None = None,
     ) -> None:
+        """The closed loop, then each offered rate; ``batches``: the sidecar's (batches of two
+        or more, searches in them) so far, for each row's ``sidecar_batches``."""
+        before = batches() if batches else None
         lat, wrong, last, start = drive(0.0, 1)  # closed loop: the saturation throughput
         row = percentile_row(system, lat, wrong, last - start, offered_qps=None)
+        if batches:
+            before = _batch_row(row, before, batches(), len(lat))
         rows[layout].append(row)
         checks["wrong_results"] += wrong
         print(
@@ -584,6 +592,8 @@ def _run(args: argparse.Namespace) -> int:
             lat, wrong, last, start = drive(rate, j + 2)
             wall = max(last - start, args.duration)
             r = percentile_row(system, lat, wrong, wall, offered_qps=round(rate, 1))
+            if batches:
+                before = _batch_row(r, before, batches(), len(lat))
             rows[layout].append(r)
             checks["wrong_results"] += wrong
             print(f"  {system}: offered {rate:,.0f}/s achieved {r.get('qps', 0):,.0f}/s "
@@ -628,8 +638,15 @@ def _run(args: argparse.Namespace) -> int:
                     tgt = {"transport": "grpc", "address": sc.grpc_target()}
                 fleet = ClientFleet(tgt, data, 1 if layout == "asyncio" else args.processes,
                                     asyncio_mode=layout == "asyncio")  # fmt: skip
+
+                def batches(loader: Any = loader) -> tuple[int, int]:
+                    stats = loader.stats()
+                    return int(stats.get("batches", 0)), int(stats.get("batched", 0))
+
                 try:
-                    sweep(system, layout, functools.partial(fleet.run, duration=args.duration))
+                    # the poller's batches: shm channels only (grpc batches among its threads)
+                    sweep(system, layout, functools.partial(fleet.run, duration=args.duration),
+                          None if "grpc" in system else batches)  # fmt: skip
                 finally:
                     fleet.close()
                 loads.append(load_average())
@@ -709,6 +726,21 @@ def _run(args: argparse.Namespace) -> int:
     if png:
         print(f"wrote {png}")
     return 1 if checks["wrong_results"] else 0
+
+
+def _batch_row(
+    row: dict[str, Any], before: Any, after: tuple[int, int], searches: int
+) -> tuple[int, int]:
+    """Adds to ``row`` the sidecar's batches over its run (``before`` and ``after``: batches of
+    two or more and the searches in them, so far): how many, their mean size and the share of
+    the run's ``searches`` they answered. Returns ``after``."""
+    n, members = after[0] - before[0], after[1] - before[1]
+    row["sidecar_batches"] = {
+        "batches": n,
+        "mean_batch": round(members / n, 2) if n else 0.0,
+        "batched_share": round(members / searches, 3) if searches else 0.0,
+    }
+    return after
 
 
 def saturation_summary(rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
