@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from cuda_reference import check_search, make_index, rounding_flips_the_order
-from kalos.index.kernels import batch_topk
 
 pytestmark = pytest.mark.gpu
 
@@ -46,6 +45,7 @@ def test_clustered_rows_scopes_and_the_fused_scan_beside_it():
     ids = np.arange(1, n + 1, dtype=np.int64)
     scopes = np.stack([np.ones(n), rng.integers(1, 4, n), np.zeros(n)], 1).astype(np.int64)
     idx = make_index("ip", "fp16", dim, "cuda")
+    idx.two_pass_min_batch = 2
     idx.add(x, ids, scopes)
     q = (x[rng.integers(0, n, nq)] + 0.2 * rng.standard_normal((nq, dim))).astype(np.float32)
     check_search(idx, x, ids, scopes, q, k, scope=(1, 2, 0))
@@ -67,10 +67,11 @@ def test_slack_keeps_a_tile_the_rounded_query_ranks_below():
     x[17], x[n - 5] = a, b  # far apart: different tiles and programs
     ids = np.arange(1, n + 1, dtype=np.int64)
     idx = make_index("ip", "fp16", dim, "cuda")
+    idx.two_pass_min_batch = 2
     idx.add(x, ids)
-    _, got = idx.search(np.tile(q, (batch_topk.MIN_BATCH, 1)), 1)
-    assert idx._two_pass(batch_topk.MIN_BATCH, 1)
-    assert got[:, 0].tolist() == [n - 4] * batch_topk.MIN_BATCH
+    _, got = idx.search(np.tile(q, (4, 1)), 1)
+    assert idx._two_pass(4, 1)
+    assert got[:, 0].tolist() == [n - 4] * 4
 
 
 def test_a_graph_of_a_batch_replays_the_two_passes():
@@ -79,6 +80,7 @@ def test_a_graph_of_a_batch_replays_the_two_passes():
     x = rng.standard_normal((n, dim)).astype(np.float32)
     ids = np.arange(1, n + 1, dtype=np.int64)
     idx = make_index("ip", "fp16", dim, "cuda")
+    idx.two_pass_min_batch = 32
     idx.add(x, ids)
     g = idx.graph(nq, k)
     assert g._ws[0].get("two_pass")

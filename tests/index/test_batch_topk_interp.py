@@ -25,15 +25,17 @@ def _index(metric, dtype, dim, x, ids, scopes=None):
     return idx
 
 
-def test_large_batches_take_the_two_passes_and_single_queries_do_not():
+def test_batches_take_the_two_passes_from_their_size_bucket_once_turned_on():
     idx = make_index("ip", "fp16", 32, "cpu")
     idx.add(np.ones((10, 32), np.float32), np.arange(10, dtype=np.int64))
-    assert idx.two_pass_min_batch == batch_topk.MIN_BATCH == 32
+    assert idx.two_pass_min_batch == batch_topk.MIN_BATCH == 0  # off by default
+    assert not any(idx._two_pass(nq, 10) for nq in (2, 17, 64))
+    assert not idx._workspace(64, 10).get("two_pass")
+    idx.two_pass_min_batch = 32
     assert idx._two_pass(32, 10) and idx._two_pass(17, 10)  # the same size bucket
     assert not idx._two_pass(1, 10) and not idx._two_pass(16, 10)
     assert not idx._two_pass(32, 100)  # k beyond the batch fast path: the general path
-    assert idx._workspace(32, 10).get("two_pass")
-    assert not idx._workspace(8, 10).get("two_pass")
+    assert idx._workspace(32, 10, private=True).get("two_pass")
     idx.two_pass_min_batch = 2
     assert idx._two_pass(2, 10) and idx._workspace(2, 10, private=True).get("two_pass")
 

@@ -61,12 +61,15 @@ from kalos.index.kernels.scan_topk import (
 )
 
 CHUNK = 1024  # tile maxima a program reads at once in the second pass
-# The smallest size bucket (next power of two of the batch) that takes the two passes. Below it
-# the fused scan is as fast or faster: on an H100 (kalos bench search-batch, search-batch-H100.json)
-# at 1M x 384 a batch of 16 took 351 µs fused against 477 in two passes, of 32 880 against 514;
-# at 10M x 128 16 took 1,527 against 1,658, 32 2,776 against 1,669. The second pass's time
-# (~180 µs at 1M rows, one program a query) is most of the difference at small batches.
-MIN_BATCH = 32
+# The smallest size bucket (next power of two of the batch) that takes the two passes by
+# default; 0: none (CudaFlatIndex.two_pass_min_batch turns them on). On an H100 (kalos bench
+# search-batch, search-batch-H100.json) they halve the median batch from 32 queries on
+# (1M x 384 clustered, 64 queries: 658 µs against 1,132 fused) but not its tail on real text
+# embeddings (real-384 1M, 64 queries: p50 631 against 1,105, p99 1,920 against 1,185): the
+# second pass is one program a query, walking its candidate tiles in turn, and a query whose
+# best scores tie across hundreds of tiles (near-duplicate lines) holds up the whole batch.
+# Below 32 queries the fused scan is faster even at the median.
+MIN_BATCH = 0
 
 _MAX_DYNAMIC = ("q_ptr", "nq", "cap", "TW", "stride_q")
 _RESCORE_DYNAMIC = ("q_ptr", "scores_ptr", "out_ids_ptr", "k", "cap", "TW", "stride_q",
