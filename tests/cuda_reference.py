@@ -158,3 +158,20 @@ def rounding_flips_the_order(rng, dim):
         if (b - a) @ q64 > 1e-3 and (b - a) @ q16 < -1e-3:
             return q, a.astype(np.float32), b.astype(np.float32)
     raise AssertionError("no such pair")
+
+
+def check_dp4a(device: str, ptx: bool, n: int = 4096) -> None:
+    """scan_topk's ``_dp4a`` (PTX ``dp4a.u32.s32``, or its byte-by-byte form) against numpy:
+    c + the dot of a's four unsigned bytes with b's four signed ones, for random words."""
+    from dp4a_kernel import dp4a_kernel
+
+    rng = np.random.default_rng(4)
+    a, b = (rng.integers(-(2**31), 2**31, n, dtype=np.int64).astype(np.int32) for _ in range(2))
+    c = rng.integers(-(2**20), 2**20, n).astype(np.int32)
+    t = [torch.from_numpy(v).to(device) for v in (a, b, c)]
+    out = torch.empty(n, dtype=torch.int32, device=device)
+    dp4a_kernel[(n // 256,)](*t, out, PTX=ptx, BLOCK=256)
+    ua = a.view(np.uint8).reshape(n, 4).astype(np.int64)
+    sb = b.view(np.int8).reshape(n, 4).astype(np.int64)
+    want = c.astype(np.int64) + (ua * sb).sum(axis=1)
+    assert np.array_equal(out.cpu().numpy().astype(np.int64), want)

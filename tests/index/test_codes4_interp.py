@@ -16,7 +16,7 @@ from triton_interp import torch, triton  # noqa: F401  (first: sets TRITON_INTER
 import numpy as np
 import pytest
 
-from cuda_reference import check_graph_search, check_search, stored_vectors
+from cuda_reference import check_dp4a, check_graph_search, check_search, stored_vectors
 from kalos.index import cuda_flat
 from kalos.index.cuda_flat import CudaFlatIndex
 from kalos.index.kernels import codes4
@@ -162,3 +162,9 @@ def test_the_bounds_hold_for_every_row():
     width = ws["qf"][1].item() * idx._meta[1, :n].double().numpy()
     assert np.all(upper >= exact), "an upper bound below the exact score"
     assert np.all(upper - 2 * width <= exact), "a lower bound above the exact score"
+
+
+def test_the_bounds_dot_without_ptx_is_the_byte_dot():
+    """The bounds pass's four-byte dot in plain integer ops (where there is no PTX: the
+    interpreter) against numpy; tests/gpu/test_codes4_gpu.py holds PTX's dp4a to the same."""
+    check_dp4a("cpu", ptx=False)

@@ -831,7 +831,7 @@ class CudaFlatIndex:
                 torch.empty((1, kern.survivors_width(k)), dtype=torch.int64, device=dev),
             ),
             "upper": torch.empty(self._cap, dtype=torch.float32, device=dev),
-            "qc": torch.zeros((c4.chunks(self.dim), 2, 32, 16), dtype=torch.int8, device=dev),
+            "qc": torch.zeros((c4.chunks(self.dim), 4, 8), dtype=torch.int32, device=dev),
             "qf": torch.zeros(
                 c4.QF_FIXED + 2 * c4.chunks(self.dim), dtype=torch.float32, device=dev
             ),

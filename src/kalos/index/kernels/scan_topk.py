@@ -282,11 +282,27 @@ def _tile_upper(
 
 
 @triton.jit
+def _dp4a(a, b, c, PTX: tl.constexpr):
+    # c + the dot of a's four bytes (unsigned) with b's four (signed), per int32 element: PTX
+    # dp4a.u32.s32 on an NVIDIA GPU, the same integer sum byte by byte otherwise
+    if PTX:
+        return tl.inline_asm_elementwise(
+            "dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+            is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        acc = c
+        for i in tl.static_range(4):
+            acc += ((a >> (8 * i)) & 0xFF) * ((b << (24 - 8 * i)) >> 24)
+        return acc
+
+
+@triton.jit
 def _tile_bounds4(
     codes_ptr,
     meta_ptr,
     sq_ptr,
-    qc_ptr,
+    qw_ptr,
     qf_ptr,
     rows,
     rmask,
@@ -296,34 +312,37 @@ def _tile_bounds4(
     corr,
     NCH: tl.constexpr,
     METRIC: tl.constexpr,
+    PTX: tl.constexpr,
 ):
     # -> (lower [1, BLOCK_N], upper [1, BLOCK_N]) fp32 bounds of each row's exact score, from
-    # its 4-bit codes (kernels.codes4): codes [NCH, cap, 32] uint8, byte j of chunk c holds
-    # rotated dimension 64c + j in its low nibble and 64c + 32 + j in its high one, as code + 8;
-    # meta [2, cap] fp32 = (scale, width per unit |q|). The query's int8 operands qc [NCH, 2,
-    # 32, 16] hold its two int8 parts in columns 0 and 1; qf[4 + NCH + c] is chunk c's scale.
+    # its 4-bit codes (kernels.codes4), read as int32 words: codes [NCH, cap, 8], byte j of
+    # chunk c holds rotated dimension 64c + j in its low nibble and 64c + 32 + j in its high
+    # one, as code + 8; meta [2, cap] fp32 = (scale, width per unit |q|). The query's int8
+    # parts qw [NCH, 4, 8] int32, four bytes a word: (hi part, dims 64c..64c+31), (hi part,
+    # the next 32), (lo part, ...), (lo part, ...); qf[4 + NCH + c] is chunk c's scale.
     # score ~ q.mean + scale * (sum_c qs_c (hi_c + lo_c / 256) . nibbles - corr), within
-    # |q| * width of the exact score. Each chunk is its own load: NCH loads of a tile in
-    # flight at once (the loads feed the dots through the nibbles, so Triton's pipeliner
-    # leaves them alone).
-    jj = tl.arange(0, 32)
-    col = tl.arange(0, 16)
+    # |q| * width of the exact score. A word's eight nibbles are two dp4a operands: its low
+    # nibbles (0x0F0F0F0F) pair with four dims of the first half, its high ones with the same
+    # four of the second half.
+    ww = tl.arange(0, 8)
     r64 = rows.to(tl.int64)
-    acc = tl.zeros([rows.shape[0], 16], dtype=tl.float32)
+    acc = tl.zeros([rows.shape[0]], dtype=tl.float32)
     for c in tl.static_range(NCH):
-        b = tl.load(codes_ptr + (c * cap + r64)[:, None] * 32 + jj[None, :], mask=rmask[:, None],
+        w = tl.load(codes_ptr + (c * cap + r64)[:, None] * 8 + ww[None, :], mask=rmask[:, None],
                     other=0)  # fmt: skip
-        lo = (b & 15).to(tl.int8)
-        hi = (b >> 4).to(tl.int8)
-        qo = qc_ptr + (c * 2 * 32 + jj[:, None]) * 16 + col[None, :]
-        d = tl.dot(lo, tl.load(qo), out_dtype=tl.int32)
-        d += tl.dot(hi, tl.load(qo + 32 * 16), out_dtype=tl.int32)
+        lo = w & 0x0F0F0F0F
+        hi = (w >> 4) & 0x0F0F0F0F
+        qo = qw_ptr + c * 32 + ww
+        zero = tl.zeros([rows.shape[0], 8], dtype=tl.int32)
+        dh = _dp4a(hi, tl.load(qo + 8)[None, :], _dp4a(lo, tl.load(qo)[None, :], zero, PTX), PTX)
+        dl = _dp4a(hi, tl.load(qo + 24)[None, :], _dp4a(lo, tl.load(qo + 16)[None, :], zero, PTX),
+                   PTX)  # fmt: skip
         qs = tl.load(qf_ptr + 4 + NCH + c)
-        w = tl.where(col == 0, qs, tl.where(col == 1, qs * (1.0 / 256.0), 0.0))
-        acc += d.to(tl.float32) * w[None, :]
+        d = tl.sum(dh, axis=1).to(tl.float32) + tl.sum(dl, axis=1).to(tl.float32) * (1.0 / 256.0)
+        acc += d * qs
     scale = tl.load(meta_ptr + rows, mask=rmask, other=0.0)
     width = qn * tl.load(meta_ptr + cap + rows, mask=rmask, other=0.0)
-    est = qmu + scale * (tl.sum(acc, axis=1) - corr)
+    est = qmu + scale * (acc - corr)
     lower = est - width
     upper = est + width
     if METRIC == 2:
@@ -476,7 +495,7 @@ def _scan_topk_kernel(
     gate_ptr,  # GATED: [1] int32 on the device; 0: this launch does nothing (server.doorbell)
     trace_ptr,  # TRACE: [P + 1, 8] int64, where the time goes (see scan_topk's trace)
     up_ptr,  # CODES 4: upper [cap] fp32, each row's score upper bound (written)
-    qc_ptr,  # CODES 4: the rotated query's int8 operands [NCH, 2, 32, 16] (kernels.codes4)
+    qc_ptr,  # CODES 4: the rotated query's int8 parts as words [NCH, 4, 8] (kernels.codes4)
     qf_ptr,  # CODES 4: the rotated query's fp32 terms (kernels.codes4.QF_*)
     rows_ptr,  # CANDS: the candidate rows [cap] int32; n_ptr then holds their count
     RSTRIDE,  # rows between two replicas of thr and slots (replica r of query q: r * RSTRIDE + q)
@@ -578,7 +597,7 @@ def _scan_topk_kernel(
         if CODES == 4:
             s, up = _tile_bounds4(
                 codes_ptr, meta_ptr, sq_ptr, qc_ptr, qf_ptr, rows, rmask, cap, q_scale, qn, rq,
-                NCH, METRIC,
+                NCH, METRIC, CTA_OR,
             )  # fmt: skip
         elif CODES != 0:
             s = _tile_upper(
@@ -635,7 +654,13 @@ def _scan_topk_kernel(
         if TRACE != 0:
             walked += 1
             merged += (hit > 0).to(tl.int32)
-        if hit > 0:
+        if hit > 0 and CODES == 4:
+            # the bounds pass raises the group bests alone (its tile's best lower bound): the
+            # least of k group bests is as tight as the lists' k-th key on real embeddings
+            # (the same rows left open on clustered 1M x 384) and costs no sort
+            top1 = tl.broadcast_to(tl.max(keys, axis=1)[:, None], [BQS, REPL])
+            tl.atomic_max(my_slot, top1, mask=qs_ok[:, None], sem="relaxed")
+        elif hit > 0:
             run = _merge_desc(run, _topk_desc(keys, KP))
             if SKIP:
                 if USE_THR:
@@ -1336,8 +1361,9 @@ def scan_topk(
 
     bounds4: (codes [NCH, cap, 32] uint8, meta [2, cap] fp32, upper [cap] fp32, qc, qf), the
     4-bit cascade's first pass (:mod:`kalos.index.kernels.codes4`): the scan reads the codes,
-    writes every row's score upper bound into ``upper`` and raises the bounds in ``state``
-    with the rows' lower bounds (the lists are of lower bounds); no ``final``, one query.
+    writes every row's score upper bound into ``upper`` and raises the group bests in
+    ``state`` with the rows' lower bounds (no lists: ``cand`` is left empty); no ``final``,
+    one query. qc: the query's int8 parts as int32 words [NCH, 4, 8] (codes4.prep).
 
     cands: (rows [cap] int32, status [1] int32), the cascade's last pass: ``n_dev`` holds the
     count of candidate rows listed in ``rows``; the scan scores those exactly, its last
@@ -1352,6 +1378,7 @@ def scan_topk(
         if final is not None or nq != 1 or prefilter is not None:
             raise ValueError("the 4-bit bounds pass runs unfused, for one query")
         codes, meta, up, qc, qf = bounds4
+        codes = codes.view(qc.dtype)  # int32 words: [NCH, cap, 8]
         nch = codes.shape[0]
         status = db
         codes_mode = 4
@@ -1466,6 +1493,7 @@ def scan_topk(
         num_stages=cfg.num_stages,
     )
     return fused
+
 
 
 def publish_ok() -> bool:
