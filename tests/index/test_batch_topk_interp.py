@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from cuda_reference import check_result, check_search, make_index, rounding_flips_the_order
-from kalos.index.kernels import batch_topk
+from kalos.index.kernels import KEY_NONE, batch_topk
 
 
 def _index(metric, dtype, dim, x, ids, scopes=None):
@@ -178,12 +178,14 @@ def test_workspace_too_small_is_refused():
     ws = idx._workspace(4, 10)
     q = torch.zeros((4, 16))
     out = (torch.zeros((4, 10)), torch.zeros((4, 10), dtype=torch.int64))
+    args = (idx._vecs, idx._sq, idx._sq_max, idx._scopes, idx._no_filter, q, idx._n_dev, idx._ids)
+    kw = {"k": 10, "metric": 0, "scoped": False, "programs": 1, "cfg": ws["cfg"]}
     with pytest.raises(ValueError, match="tmax"):
-        batch_topk.search(
-            idx._vecs, idx._sq, idx._sq_max, idx._scopes, idx._no_filter, q, idx._n_dev, idx._ids,
-            ws["tmax"][:, :0], ws["lists"][:, :0], *out, k=10, metric=0, scoped=False,
-            programs=1, cfg=ws["cfg"],
-        )  # fmt: skip
+        batch_topk.search(*args, ws["tmax"][:, :0], ws["lists"][:, :0], ws["parts"], *out, **kw)
+    with pytest.raises(ValueError, match="parts"):
+        batch_topk.search(*args, ws["tmax"], ws["lists"], ws["parts"][:, :, :2], *out, **kw)
+    with pytest.raises(ValueError, match="split"):
+        batch_topk.search(*args, ws["tmax"], ws["lists"], ws["parts"], *out, **kw, split=3)
 
 
 def test_slack_keeps_a_tile_the_rounded_query_ranks_below():
@@ -204,10 +206,12 @@ def test_slack_keeps_a_tile_the_rounded_query_ranks_below():
     assert got[:, 0].tolist() == [151] * 4
 
 
-@pytest.mark.parametrize("k", [1, 10, 16])
-def test_tile_maxima_over_several_chunks(k):
-    """The second pass reads the tile maxima a chunk at a time and sorts only the chunks
-    that beat its k-th so far: small chunks here, the best tiles in the first and the last."""
+@pytest.mark.parametrize(("k", "split"), [(1, 1), (10, 4), (16, 16), (10, 64)])
+def test_tile_maxima_over_several_chunks_and_slices(k, split):
+    """The second pass splits each query's tiles into slices, a program each, that read their
+    tile maxima a chunk at a time and sort only the chunks that beat their KP-th so far:
+    small chunks here, the best tiles in the first and the last, and more slices than tiles
+    (64: empty slices)."""
     rng = np.random.default_rng(k)
     n, dim, nq = 4000, 32, 6
     x = rng.standard_normal((n, dim)).astype(np.float32)
@@ -217,12 +221,27 @@ def test_tile_maxima_over_several_chunks(k):
     ids = np.arange(1, n + 1, dtype=np.int64)
     idx = _index("ip", "fp16", dim, x, ids)
     ws = idx._workspace(nq, k)
+    parts = torch.empty((2, nq, split, ws["parts"].shape[3]), dtype=torch.int64)
     scores = torch.full((nq, k), float("nan"))
     got = torch.full((nq, k), -7, dtype=torch.int64)
     batch_topk.search(
         idx._vecs, idx._sq, idx._sq_max, idx._scopes, idx._no_filter, torch.from_numpy(q),
-        idx._n_dev, idx._ids, ws["tmax"], ws["lists"], scores, got, k=k, metric=0,
-        scoped=False, programs=ws["programs"], cfg=ws["cfg"], chunk=16,
+        idx._n_dev, idx._ids, ws["tmax"], ws["lists"], parts, scores, got, k=k, metric=0,
+        scoped=False, programs=ws["programs"], cfg=ws["cfg"], chunk=16, split=split,
     )  # fmt: skip
     assert ws["tmax"].shape[1] > 3 * 16  # several chunks
     check_result(idx, x, ids, None, q, k, scores.numpy(), got.numpy())
+    # each slice's list: the KP largest (maximum, tile) keys of its share of the tiles
+    kp = parts.shape[3]
+    n_tiles = -(-n // ws["cfg"].block_n)
+    width = -(-n_tiles // split)
+    tmax = ws["tmax"][:nq, :n_tiles].numpy()
+    for qi in range(nq):
+        for s in range(split):
+            m = tmax[qi, s * width : (s + 1) * width]
+            bits = m.view(np.int32).astype(np.int64)
+            ordered = np.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+            keys = np.sort((ordered << 32) | np.arange(s * width, s * width + len(m)))[::-1]
+            want = np.full(kp, KEY_NONE, np.int64)
+            want[: min(kp, len(keys))] = keys[:kp]
+            np.testing.assert_array_equal(parts[0, qi, s].numpy(), want, err_msg=f"{qi} {s}")

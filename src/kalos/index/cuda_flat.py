@@ -783,6 +783,11 @@ class CudaFlatIndex:
             ws.update(cfg=cfg, programs=self._programs(cfg, k), two_pass=True)
             ws["tmax"] = torch.empty((nq, tiles), dtype=torch.float32, device=dev)
             ws["lists"] = torch.empty((nq, tiles), dtype=torch.int32, device=dev)
+            # the second pass's slices a query: fewer under the interpreter (each program
+            # runs in Python there)
+            split = self._bt.SPLIT if self._on_gpu else 2
+            ws["parts"] = torch.empty((2, nq, split, kern.key_width(k)), dtype=torch.int64,
+                                      device=dev)  # fmt: skip
         elif self._fast(nq, k):
             cfg = self._config(nq, k)
             p = self._programs(cfg, k)
@@ -894,8 +899,8 @@ class CudaFlatIndex:
                 return
             self._bt.search(
                 self._vecs, self._sq, self._sq_max, self._scopes, filt, q, self._n_dev, self._ids,
-                ws["tmax"], ws["lists"], scores, ids, k=k, metric=self._metric_code,
-                scoped=scoped, programs=ws["programs"], cfg=ws["cfg"],
+                ws["tmax"], ws["lists"], ws["parts"], scores, ids, k=k, metric=self._metric_code,
+                scoped=scoped, programs=ws["programs"], cfg=ws["cfg"], split=ws["parts"].shape[2],
             )  # fmt: skip
             return
         if "cand" in ws and (ws.get("prefilter") or self._fast(nq, k)):

@@ -13,12 +13,23 @@ sorted for one query, 66% for a batch of 8 and 99.6% for a batch of 64. Here ins
     tiles] fp32 (-inf where no row passes the scope filter). No selection, no atomics: the
     pass runs at the speed of its loads.
 
+The second pass: SPLIT programs a query, each on a slice of its tiles (a query whose best
+scores tie across hundreds of tiles, as near-duplicate text lines do, would otherwise hold up
+the batch while one program walks them).
+
+``_slice_top_kernel``
+    Each slice's KP largest tile maxima, as (score, tile) keys. The k-th largest tile maximum
+    T_k is at most the query's k-th best score (the k largest maxima are scores of k distinct
+    rows), so every row of the top-k lies in a tile whose maximum is at least T_k; T_k is the
+    k-th largest of the union of the slices' lists.
+
 ``_rescore_kernel``
-    One program per query. The k-th largest tile maximum T_k is at most the query's k-th
-    best score (the k largest maxima are scores of k distinct rows), so every row of the
-    top-k lies in a tile whose maximum is at least T_k. The program finds T_k in its row of
-    ``tmax``, lists the tiles at or above T_k minus the slack below, scores their rows again
-    with the fp32 query and FMAs (as a single-query search does), and writes the top-k.
+    Each slice's program finds T_k from those lists, lists its tiles at or above T_k minus
+    the slack below, scores their rows again with the fp32 query and FMAs (as a single-query
+    search does), and keeps its KP best.
+
+``_merge_kernel``
+    One program a query: the top-k of its slices' bests, written out.
 
 The slack. The first pass's dot takes the query in the storage type (fp16: a relative error
 of 2^-11 an element) and the passes accumulate in fp32 in different orders, so one row's
@@ -61,6 +72,7 @@ from kalos.index.kernels.scan_topk import (
 )
 
 CHUNK = 1024  # tile maxima a program reads at once in the second pass
+SPLIT = 16  # programs a query in the second pass, each a slice of the query's tiles
 # The smallest size bucket (next power of two of the batch) that takes the two passes by
 # default; 0: none (CudaFlatIndex.two_pass_min_batch turns them on). On an H100 (kalos bench
 # search-batch, search-batch-H100.json) they halve the median batch from 32 queries on
@@ -68,12 +80,15 @@ CHUNK = 1024  # tile maxima a program reads at once in the second pass
 # embeddings (real-384 1M, 64 queries: p50 631 against 1,105, p99 1,920 against 1,185): the
 # second pass is one program a query, walking its candidate tiles in turn, and a query whose
 # best scores tie across hundreds of tiles (near-duplicate lines) holds up the whole batch.
-# Below 32 queries the fused scan is faster even at the median.
+# Below 32 queries the fused scan is faster even at the median. (Measured with the second
+# pass as one program a query, before its slices.)
 MIN_BATCH = 0
 
 _MAX_DYNAMIC = ("q_ptr", "nq", "cap", "TW", "stride_q")
-_RESCORE_DYNAMIC = ("q_ptr", "scores_ptr", "out_ids_ptr", "k", "cap", "TW", "stride_q",
-                    "stride_os", "stride_oi", "gap_q", "gap_x")  # fmt: skip
+_SLICE_DYNAMIC = ("TW",)
+_RESCORE_DYNAMIC = ("q_ptr", "k", "cap", "TW", "stride_q", "gap_q", "gap_x")
+_MERGE_DYNAMIC = ("q_ptr", "scores_ptr", "out_ids_ptr", "k", "stride_q", "stride_os",
+                  "stride_oi")  # fmt: skip
 
 
 @triton.jit(do_not_specialize=_MAX_DYNAMIC)
@@ -123,6 +138,41 @@ def _tile_max_kernel(
         tl.store(out + t, tl.max(s, axis=1), mask=qs < nq)
 
 
+@triton.jit(do_not_specialize=_SLICE_DYNAMIC)
+def _slice_top_kernel(
+    n_ptr,  # n: [1] int32, the live rows
+    tmax_ptr,  # tmax: [>= nq, TW] fp32, from _tile_max_kernel
+    part_ptr,  # out: [nq, SPLIT, KP] int64, each slice's KP largest (maximum, tile) keys
+    TW,
+    BLOCK_N: tl.constexpr,
+    KP: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    # program (query, slice): the largest tile maxima of its slice of the query's tiles; a
+    # chunk none of which beats the slice's KP-th so far is not sorted (most of them)
+    qid = tl.program_id(0)
+    sid = tl.program_id(1)
+    n_tiles = tl.cdiv(tl.load(n_ptr), BLOCK_N)
+    width = tl.cdiv(n_tiles, SPLIT)
+    lo = sid * width
+    hi = tl.minimum(lo + width, n_tiles)
+    trow = tmax_ptr + qid.to(tl.int64) * TW
+    tiles = tl.arange(0, CHUNK)
+    top = tl.full([1, KP], _KEY_NONE, tl.int64)
+    least = tl.min(top, axis=1)  # [1]: the KP-th largest so far
+    for c0 in range(lo, hi, CHUNK):
+        t = c0 + tiles
+        m = tl.load(trow + t, mask=t < hi, other=float("-inf"))
+        live = (t < hi) & (m != float("-inf"))
+        keys = _keys_from_scores(m[None, :], t[None, :], live[None, :])
+        if tl.max(tl.max(keys, axis=1) > least, axis=0):
+            top = _merge_desc(top, _topk_desc(keys, KP))
+            least = tl.min(top, axis=1)
+    kk = tl.arange(0, KP)
+    tl.store(part_ptr + (qid * SPLIT + sid).to(tl.int64) * KP + kk, tl.reshape(top, [KP]))
+
+
 @triton.jit(do_not_specialize=_RESCORE_DYNAMIC)
 def _rescore_kernel(
     db_ptr,  # db: [cap, D]
@@ -133,16 +183,13 @@ def _rescore_kernel(
     q_ptr,  # q: [nq, D]
     n_ptr,  # n: [1] int32
     tmax_ptr,  # tmax: [>= nq, TW] fp32, from _tile_max_kernel
-    list_ptr,  # [>= nq, TW] int32 scratch: the query's candidate tiles
-    ids_ptr,  # ids: [cap] int64, row -> id
-    scores_ptr,  # out scores: [nq, k] fp32, row stride stride_os
-    out_ids_ptr,  # out ids: [nq, k] int64, row stride stride_oi
+    list_ptr,  # [>= nq, TW] int32 scratch: the query's candidate tiles, each slice its own
+    part_ptr,  # [nq, SPLIT, KP] int64: the slices' largest tile maxima (_slice_top_kernel)
+    best_ptr,  # out: [nq, SPLIT, KP] int64, each slice's best (score, row) keys
     k,
     cap,
     TW,
     stride_q,
-    stride_os,
-    stride_oi,
     gap_q,  # the slack is gap_q |q| X + gap_x X^2 (slack())
     gap_x,
     D: tl.constexpr,
@@ -150,46 +197,44 @@ def _rescore_kernel(
     BLOCK_N: tl.constexpr,
     KP: tl.constexpr,
     CHUNK: tl.constexpr,
+    SPLIT: tl.constexpr,
     METRIC: tl.constexpr,
     SCOPED: tl.constexpr,
 ):
+    # program (query, slice): T_k from every slice's list, then the slice's candidate tiles
+    # scored again with the fp32 query
     qid = tl.program_id(0)
+    sid = tl.program_id(1)
     n = tl.load(n_ptr)
     n_tiles = tl.cdiv(n, BLOCK_N)
+    width = tl.cdiv(n_tiles, SPLIT)
+    lo = sid * width
+    hi = tl.minimum(lo + width, n_tiles)
     dc = tl.arange(0, BLOCK_D)
     qv = tl.load(q_ptr + qid.to(tl.int64) * stride_q + dc, mask=dc < D, other=0.0).to(tl.float32)
     qn = tl.sqrt(tl.sum(qv * qv, axis=0))
     if METRIC == 1:  # unit queries, as _load_queries makes them
         qv = qv / tl.where(qn > 0, qn, 1.0)
         qn = tl.where(qn > 0, 1.0, 0.0)
-    # T_k: the k-th largest tile maximum, through keys (score, tile) as the scan sorts rows;
-    # a chunk of maxima none of which beats the k-th so far is not sorted (most of them)
-    tiles = tl.arange(0, CHUNK)
-    trow = tmax_ptr + qid.to(tl.int64) * TW
+    # T_k: the k-th largest tile maximum, among the union of the slices' KP largest
     kk = tl.arange(0, KP)[None, :]
-    top = tl.full([1, KP], _KEY_NONE, tl.int64)
-    kth = tl.max(top, axis=1)  # [1]
-    for c0 in range(0, n_tiles, CHUNK):
-        t = c0 + tiles
-        m = tl.load(trow + t, mask=t < n_tiles, other=float("-inf"))
-        live = (t < n_tiles) & (m != float("-inf"))
-        keys = _keys_from_scores(m[None, :], t[None, :], live[None, :])
-        if tl.max(tl.max(keys, axis=1) > kth, axis=0):
-            top = _merge_desc(top, _topk_desc(keys, KP))
-            kth = tl.max(tl.where(kk == k - 1, top, _KEY_NONE), axis=1)
-    kth = tl.max(kth, axis=0)
+    parts = tl.load(part_ptr + qid.to(tl.int64) * (SPLIT * KP) + tl.arange(0, SPLIT * KP))
+    top = _topk_desc(tl.reshape(parts, [1, SPLIT * KP]), KP)
+    kth = tl.max(tl.max(tl.where(kk == k - 1, top, _KEY_NONE), axis=1), axis=0)
     kth_s, _ = _scores_from_keys(kth)
     sx = tl.load(sqmax_ptr)
     gap = gap_q * qn * tl.sqrt(sx) + gap_x * sx
     # fewer than k tiles with a row: every such tile is a candidate
     floor = tl.where(kth != _KEY_NONE, kth_s - gap, float("-inf"))
-    # the candidate tiles, compacted into this query's list by a prefix sum
-    lrow = list_ptr + qid.to(tl.int64) * TW
+    # the slice's candidate tiles, compacted into its part of the list by a prefix sum
+    tiles = tl.arange(0, CHUNK)
+    trow = tmax_ptr + qid.to(tl.int64) * TW
+    lrow = list_ptr + qid.to(tl.int64) * TW + lo
     count = 0
-    for c0 in range(0, n_tiles, CHUNK):
+    for c0 in range(lo, hi, CHUNK):
         t = c0 + tiles
-        m = tl.load(trow + t, mask=t < n_tiles, other=float("-inf"))
-        live = ((t < n_tiles) & (m != float("-inf")) & (m >= floor)).to(tl.int32)
+        m = tl.load(trow + t, mask=t < hi, other=float("-inf"))
+        live = ((t < hi) & (m != float("-inf")) & (m >= floor)).to(tl.int32)
         pos = count + tl.cumsum(live, axis=0) - 1
         tl.store(lrow + pos, t, mask=live != 0)
         count += tl.sum(live, axis=0)
@@ -207,8 +252,32 @@ def _rescore_kernel(
         else:
             valid = rmask
         run = _merge_desc(run, _topk_desc(_keys_from_scores(s, rows[None, :], valid[None, :]), KP))
+    tl.store(best_ptr + (qid * SPLIT + sid).to(tl.int64) * KP + tl.arange(0, KP),
+             tl.reshape(run, [KP]))  # fmt: skip
+
+
+@triton.jit(do_not_specialize=_MERGE_DYNAMIC)
+def _merge_kernel(
+    best_ptr,  # [nq, SPLIT, KP] int64: each slice's best keys (_rescore_kernel)
+    ids_ptr,  # ids: [cap] int64, row -> id
+    q_ptr,  # q: [nq, D] (|q|^2 for l2)
+    scores_ptr,  # out scores: [nq, k] fp32, row stride stride_os
+    out_ids_ptr,  # out ids: [nq, k] int64, row stride stride_oi
+    k,
+    stride_q,
+    stride_os,
+    stride_oi,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    KP: tl.constexpr,
+    SPLIT: tl.constexpr,
+    METRIC: tl.constexpr,
+):
+    qid = tl.program_id(0)
+    keys = tl.load(best_ptr + qid.to(tl.int64) * (SPLIT * KP) + tl.arange(0, SPLIT * KP))
+    top = _topk_desc(tl.reshape(keys, [1, SPLIT * KP]), KP)
     _write_top(
-        qid, tl.reshape(run, [KP]), ids_ptr, q_ptr, scores_ptr, out_ids_ptr, k, stride_q,
+        qid, tl.reshape(top, [KP]), ids_ptr, q_ptr, scores_ptr, out_ids_ptr, k, stride_q,
         stride_os, stride_oi, D, BLOCK_D, KP, METRIC,
     )  # fmt: skip
 
@@ -239,6 +308,7 @@ def search(
     ids: Any,
     tmax: Any,
     lists: Any,
+    parts: Any,
     scores_out: Any,
     ids_out: Any,
     *,
@@ -248,14 +318,17 @@ def search(
     programs: int,
     cfg: ScanConfig,
     chunk: int = CHUNK,
+    split: int = SPLIT,
 ) -> None:
     """The exact top-k of each of the queries ``q`` [nq, D] (unit stride in D): the two
     passes of the module doc. db, sqnorms, scopes, filt, n_dev, ids as for
     :func:`kalos.index.kernels.scan_topk.scan_topk`; sq_max: [1] fp32, at least every live
     row's |x|^2; tmax [>= nq, tiles] fp32 and lists [>= nq, tiles] int32: scratch
-    (:func:`tiles`); scores_out [nq, k] fp32 and ids_out [nq, k] int64, unit stride in k.
-    k <= 64 (``scan_topk.FAST_MAX_KP_BATCH``). chunk: tile maxima the second pass reads at
-    once (a power of two; tests). No host sync, no allocation."""
+    (:func:`tiles`); parts [2, >= nq, split, key_width(k)] int64: scratch; scores_out [nq, k]
+    fp32 and ids_out [nq, k] int64, unit stride in k. k <= 64
+    (``scan_topk.FAST_MAX_KP_BATCH``). chunk: tile maxima a second-pass program reads at once;
+    split: programs a query in the second pass (powers of two; tests). No host sync, no
+    allocation."""
     nq, dim = q.shape
     kp = key_width(k)
     bn = max(cfg.block_n, kp)
@@ -266,6 +339,10 @@ def search(
         or tw < triton.cdiv(db.shape[0], bn)
     ):
         raise ValueError(f"tmax and lists must be [>= {nq}, >= tiles], not {list(tmax.shape)}")
+    if split < 1 or split & (split - 1):
+        raise ValueError(f"split must be a power of two, not {split}")
+    if parts.shape[0] != 2 or parts.shape[1] < nq or tuple(parts.shape[2:]) != (split, kp):
+        raise ValueError(f"parts must be [2, >= {nq}, {split}, {kp}], not {list(parts.shape)}")
     bd = block_d(dim)
     launch(
         _tile_max_kernel, (programs,), db, sqnorms, scopes, filt, q, n_dev, tmax, nq,
@@ -274,14 +351,22 @@ def search(
         PREC="ieee" if db.dtype.itemsize == 4 else "tf32", DOT_F32=_dot_f32(db),
         NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+    ch = max(next_pow2(chunk), kp)
+    launch(
+        _slice_top_kernel, (nq, split), n_dev, tmax, parts[0], tw, BLOCK_N=bn, KP=kp, CHUNK=ch,
+        SPLIT=split, num_warps=4,
+    )  # fmt: skip
     gap_q, gap_x = slack(dim, db.dtype, metric)
     launch(
-        _rescore_kernel, (nq,), db, sqnorms, sq_max, scopes, filt, q, n_dev, tmax, lists, ids,
-        scores_out, ids_out, k, db.shape[0], tw, q.stride(0), scores_out.stride(0),
-        ids_out.stride(0), gap_q, gap_x, D=dim, BLOCK_D=bd, BLOCK_N=bn, KP=kp,
-        CHUNK=max(next_pow2(chunk), kp),
-        METRIC=metric, SCOPED=scoped, num_warps=4,
+        _rescore_kernel, (nq, split), db, sqnorms, sq_max, scopes, filt, q, n_dev, tmax, lists,
+        parts[0], parts[1], k, db.shape[0], tw, q.stride(0), gap_q, gap_x, D=dim, BLOCK_D=bd,
+        BLOCK_N=bn, KP=kp, CHUNK=ch, SPLIT=split, METRIC=metric, SCOPED=scoped, num_warps=4,
+    )  # fmt: skip
+    launch(
+        _merge_kernel, (nq,), parts[1], ids, q, scores_out, ids_out, k, q.stride(0),
+        scores_out.stride(0), ids_out.stride(0), D=dim, BLOCK_D=bd, KP=kp, SPLIT=split,
+        METRIC=metric, num_warps=4,
     )  # fmt: skip
 
 
-__all__ = ["CHUNK", "MIN_BATCH", "search", "slack", "tiles"]
+__all__ = ["CHUNK", "MIN_BATCH", "SPLIT", "search", "slack", "tiles"]
