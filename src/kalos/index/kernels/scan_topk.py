@@ -1495,7 +1495,6 @@ def scan_topk(
     return fused
 
 
-
 def publish_ok() -> bool:
     """Whether :func:`scan_topk` can publish a sequence number (an NVIDIA GPU, whose fences
     it uses, or the interpreter)."""
