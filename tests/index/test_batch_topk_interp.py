@@ -25,10 +25,11 @@ def _index(metric, dtype, dim, x, ids, scopes=None):
     return idx
 
 
-def test_batches_take_the_two_passes_from_their_size_bucket_once_turned_on():
+def test_batches_take_the_two_passes_from_their_size_bucket():
     idx = make_index("ip", "fp16", 32, "cpu")
     idx.add(np.ones((10, 32), np.float32), np.arange(10, dtype=np.int64))
-    assert idx.two_pass_min_batch == batch_topk.MIN_BATCH == 0  # off by default
+    assert idx.two_pass_min_batch == batch_topk.MIN_BATCH == 32  # the default
+    idx.two_pass_min_batch = 0  # never
     assert not any(idx._two_pass(nq, 10) for nq in (2, 17, 64))
     assert not idx._workspace(64, 10).get("two_pass")
     idx.two_pass_min_batch = 32

@@ -8,7 +8,7 @@ shape (``CudaFlatIndex.graph``) and a wait for it, timed on the host:
 - ``two-pass``: every batch of 2 or more takes each tile's best score, then the tiles that can
   hold a result (``kernels.batch_topk``; a single query takes the fused scan, its row says
   ``two_pass: false``). The index takes them from ``batch_topk.MIN_BATCH``'s size bucket on
-  (``params.default_two_pass_batch``; 0, the default: never);
+  (``params.default_two_pass_batch``, 32; 0: never);
 - ``fused``: every batch through the fused scan and its per-program top-k lists
   (``kernels.scan_topk``);
 - ``torch``: ``torch.topk(q @ db.T)`` on the same fp16 rows, the batch in one product.

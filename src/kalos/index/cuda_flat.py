@@ -15,9 +15,8 @@ Rows ``[0, n)`` are live and dense: a removal moves the last rows into the holes
 pays for holes and a removed item can never be returned. The id -> row map lives on the host.
 
 Search (see ``kalos.index.kernels.scan_topk``) is two kernel launches for k <= 256 (nq == 1) or
-k <= 64 (batches): the fused scan + per-program top-k, and a merge of the candidates. With
-``two_pass_min_batch`` set (off by default), batches from its size bucket on take two other
-launches instead
+k <= 64 (batches): the fused scan + per-program top-k, and a merge of the candidates. Batches
+from ``two_pass_min_batch``'s size bucket on (32 queries by default) take two passes instead
 (``kalos.index.kernels.batch_topk``): each tile's best score per query, then per query the
 tiles that can hold its top-k, scored again. Larger k takes a slower general path: every
 row's key, then ``torch.topk``.
@@ -721,8 +720,8 @@ class CudaFlatIndex:
 
     def _two_pass(self, nq: int, k: int) -> bool:
         """Whether a batch of ``nq`` takes kernels.batch_topk's two passes: from a size bucket
-        (the next power of two, as the kernels' variants go) of ``two_pass_min_batch`` on (0:
-        never, the default: ``batch_topk.MIN_BATCH``)."""
+        (the next power of two, as the kernels' variants go) of ``two_pass_min_batch`` on
+        (the default: ``batch_topk.MIN_BATCH``, 32; 0: never)."""
         bucket = self._k.next_pow2(nq)
         return nq > 1 and 0 < self.two_pass_min_batch <= bucket and self._fast(nq, k)
 

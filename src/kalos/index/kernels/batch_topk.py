@@ -74,15 +74,11 @@ from kalos.index.kernels.scan_topk import (
 CHUNK = 1024  # tile maxima a program reads at once in the second pass
 SPLIT = 16  # programs a query in the second pass, each a slice of the query's tiles
 # The smallest size bucket (next power of two of the batch) that takes the two passes by
-# default; 0: none (CudaFlatIndex.two_pass_min_batch turns them on). On an H100 (kalos bench
-# search-batch, search-batch-H100.json) they halve the median batch from 32 queries on
-# (1M x 384 clustered, 64 queries: 658 µs against 1,132 fused) but not its tail on real text
-# embeddings (real-384 1M, 64 queries: p50 631 against 1,105, p99 1,920 against 1,185): the
-# second pass is one program a query, walking its candidate tiles in turn, and a query whose
-# best scores tie across hundreds of tiles (near-duplicate lines) holds up the whole batch.
-# Below 32 queries the fused scan is faster even at the median. (Measured with the second
-# pass as one program a query, before its slices.)
-MIN_BATCH = 0
+# default (CudaFlatIndex.two_pass_min_batch; 0 there: never). On an H100 with real text
+# embeddings (kalos bench search-batch, real-384 1M, search-batch-H100.json) 32 queries take
+# 344 µs p50 / 459 p99 against 881 / 909 through the fused scan, 64 take 486 / 602 against
+# 1,101 / 1,196; at 16 the fused scan's tail is shorter (p99 374 against 434).
+MIN_BATCH = 32
 
 _MAX_DYNAMIC = ("q_ptr", "nq", "cap", "TW", "stride_q")
 _SLICE_DYNAMIC = ("TW",)
