@@ -515,9 +515,10 @@ def test_prefilter_scope_removals_upserts_and_few_matches():
     assert g.fallbacks == 0
 
 
-def test_prefilter_falls_back_to_the_full_scan_when_the_bound_cannot_prove():
+def test_an_unproven_prefilter_search_settles_from_its_bounds():
     # near-copies of the query's direction: the candidates' bounds overlap the k-th exact
-    # score, so the search replays the full scan, and the answer is still the exact one
+    # score, so the search is not proven; it settles from every row's bound (the rows whose
+    # bound reaches the re-ranked k-th score, scored exactly), and the answer is the exact one
     dim = 64
     x, ids, base = unprovable_rows(np.random.default_rng(5), dim)
     idx = make_index("ip", "fp32", dim, "cpu")
@@ -525,6 +526,63 @@ def test_prefilter_falls_back_to_the_full_scan_when_the_bound_cannot_prove():
     g = check_graph_search(idx, x, ids, None, base[None], 10)
     assert g.prefilter and g.fallbacks == 1
     assert (idx.prefilter_searches, idx.prefilter_fallbacks) == (1, 1)  # the metrics' counts
+    # the near-copies are left open, the random rows are not
+    assert 10 <= g.settled_rows < 400 and idx.prefilter_settled_rows == g.settled_rows
+    assert idx.prefilter_settled_max == g.settled_rows
+    ws = g._ws[1]
+    assert int(ws["count"][0]) == 0 and int(ws["emit_ticket"][0]) == 0  # reset for the next
+    assert int(ws["floor"][0][0]) == idx._k.KEY_NONE
+    # a random query is proven: nothing settled
+    q = np.random.default_rng(6).standard_normal((1, dim)).astype(np.float32)
+    g = check_graph_search(idx, x, ids, None, q, 10)
+    assert g.fallbacks == 0 and (idx.prefilter_searches, idx.prefilter_fallbacks) == (2, 1)
+
+
+def test_the_settle_floor_is_the_reranked_kth_exact_score():
+    # rows along the query's direction, a step apart in score (well above the reference's
+    # tolerance, well below the int8 bound): the prefilter cannot prove the top-10, and the
+    # floor it leaves for the settle must be the 10th best score itself, no higher (a row of
+    # the top-k would be left out) and no lower (more rows than needed scored again)
+    rng = np.random.default_rng(9)
+    dim, k = 64, 10
+    base = rng.standard_normal(dim).astype(np.float32)
+    steps = 1.0 + 1.5e-4 * np.arange(150, dtype=np.float32)[:, None]
+    x = np.concatenate([base * steps, rng.standard_normal((250, dim)).astype(np.float32)])
+    ids = np.arange(1, 401, dtype=np.int64)
+    idx = make_index("ip", "fp32", dim, "cpu")
+    idx.add(x, ids)
+    idx.prefilter_min_rows = 0
+    g = idx.graph(1, k, prefilter=True)
+    g.query.copy_(torch.from_numpy(base[None]))
+    g._ensure(True)
+    g._run(True)  # the prefilter alone: its verdict and the floor
+    assert g._status_np[0] == 0, "the bound proved the top-10: make the steps smaller"
+    key = int(g._ws[1]["floor"][0][0])
+    hi = np.int32(key >> 32)
+    floor = np.array([hi if hi >= 0 else hi ^ 0x7FFFFFFF], np.int32).view(np.float32)[0]
+    ref = np.sort(x.astype(np.float64) @ base.astype(np.float64))[::-1]
+    tol = 1e-3 * float(base @ base)  # a step is 1.5e-4 |base|^2 x 64 rows
+    assert abs(floor - ref[k - 1]) <= tol / 10, (floor, ref[k - 1], ref[k - 2])
+
+
+@pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
+def test_settling_with_ties_duplicates_and_a_scope(metric):
+    # rows tied with the k-th (exact duplicates of one near-copy), a scope filter keeping
+    # half the rows, and rows differing only below fp16's precision: every unproven search
+    # still returns the exact top-k of the rows its scope keeps
+    rng = np.random.default_rng(8)
+    dim = 48
+    x, ids, base = unprovable_rows(rng, dim)
+    x[160:190] = x[5]  # 30 exact duplicates of a near-copy
+    x[200:210] = x[6] + np.float32(1e-5)  # below fp16's precision
+    scopes = np.stack([np.full(400, 1), rng.integers(1, 3, 400), np.zeros(400)], 1)
+    idx = make_index(metric, "fp16", dim, "cpu")
+    idx.add(x, ids, scopes.astype(np.int64))
+    for scope in (None, (1, 2, 0)):
+        for k in (1, 10, 32):
+            g = check_graph_search(idx, x, ids, scopes, base[None], k, scope=scope)
+            assert g.prefilter
+    assert idx.prefilter_fallbacks >= 1 and idx.prefilter_settled_rows > 0
 
 
 def test_prefilter_publishes_the_sequence_only_when_proven():

@@ -13,6 +13,9 @@ queries) in one run:
 - ``kalos-shm-gpu-query``: ``search_gpu`` with a torch CUDA query that never leaves the GPU;
 - ``kalos-kernel``: the fused scan + top-k alone, a graph replay timed with CUDA events;
   ``kalos-kernel-prefilter``: the int8 prefilter's graph, where the sidecar takes it;
+  ``kalos-graph-prefilter``: that graph as the sidecar runs it (its proof checked, an
+  unproven search settled from every row's bound), host clocks, with how many searches were
+  ``proven`` and the rows the others scored exactly (``settled_rows_p50``, ``_max``);
 - ``kalos-inprocess``: the sidecar's search path without the protocol (``GpuSearch.search``
   in this process: staging, graph launch and sync, the proof's check), host clocks;
 - ``torch-inprocess`` / ``torch-inprocess-graph``: ``torch.topk(q @ db.T)`` in this process;
@@ -188,6 +191,28 @@ def _run_size(args: argparse.Namespace, torch: Any, corpus: corpora.Corpus, bw: 
         _event_times(torch, replay, 50)
         row = summarize("kalos-kernel-prefilter", _event_times(torch, replay, args.queries))
         row["floor_us"] = round(pre_floor_us, 3)
+        rows.append(row)
+        # The same graph as the sidecar runs it (replay_and_wait: the prefilter, its proof's
+        # check on the host, and an unproven search settled from every row's bound), a new
+        # query each search, host clocks: how many settled in the first pool, and how many
+        # rows the others scored exactly
+        stream = torch.cuda.current_stream()
+        settled: list[int] = []
+
+        def run_graph(i: int) -> None:
+            pre.query.copy_(q_gpu[i % len(q_gpu)][None])
+            if not pre.replay_and_wait(stream) and pre.fallbacks > len(settled):
+                settled.append(pre.settled_rows)
+
+        for i in range(50):
+            run_graph(i)
+        settled.clear()
+        pre.fallbacks = 0
+        row = summarize("kalos-graph-prefilter", _host_times(run_graph, args.queries)[0])
+        s_arr = np.array(settled or [0])
+        row.update(searches=args.queries, proven=args.queries - len(settled),
+                   settled_rows_p50=int(np.percentile(s_arr, 50)) if settled else 0,
+                   settled_rows_max=int(s_arr.max()) if settled else 0)  # fmt: skip
         rows.append(row)
         del pre
     # The 4-bit cascade's graph (index.scan == "4bit"), a new query each replay: its time, and

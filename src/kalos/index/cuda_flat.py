@@ -182,9 +182,13 @@ class CudaFlatIndex:
         # a [programs + 1, 8] int64 tensor that fused scans launched from now on fill with
         # where their time goes (kernels.scan_topk's trace; scripts/search_gpu_phases.py)
         self.trace: Any = None
-        # searches that took the prefilter, and those of them that replayed the full scan
+        # searches that took the prefilter, and those of them it did not prove (settled from
+        # the bounds, or by a full scan where a graph has no bounds)
         self.prefilter_searches = 0
         self.prefilter_fallbacks = 0
+        # of those, the rows they scored exactly: in all, and the most in one search
+        self.prefilter_settled_rows = 0
+        self.prefilter_settled_max = 0
         # what the last warm-up's parallel compile did (kernels.precompile.compile_all)
         self.precompiled: dict[str, Any] | None = None
         self._torch = torch
@@ -227,10 +231,10 @@ class CudaFlatIndex:
             # the largest |x|^2 added since the last reset (the two-pass search's slack);
             # allocated once, so captured graphs keep it
             self._sq_max = torch.zeros(1, dtype=torch.float32, device=dev)
-            if scan == "4bit":
-                from kalos.index.kernels import codes4
+            from kalos.index.kernels import codes4
 
-                self._c4 = codes4
+            self._c4 = codes4  # the cascade's kernels; its emit also settles the int8 prefilter
+            if scan == "4bit":
                 self._rot64 = codes4.rotation(dim).to(dev)
                 self._rot32 = self._rot64.float().contiguous()
                 self._mean64 = torch.zeros(dim, dtype=torch.float64, device=dev)
@@ -776,6 +780,16 @@ class CudaFlatIndex:
             ws.update(cfg=cfg, programs=p, prefilter=True)
             lists = kern.key_width(min(self.prefilter_lists or kern.prefilter_lists(kk, p), kk))
             ws["cand"] = torch.empty((nq, p, lists), dtype=torch.int64, device=dev)
+            # an unproven search settles from every row's bound (_launch_settle): the bounds,
+            # the floor (the emit's state: thr, slots), the rows left open and their count
+            ws["upper"] = torch.full((self._cap,), -math.inf, dtype=torch.float32, device=dev)
+            ws["floor"] = (
+                torch.full((1,), none, dtype=torch.int64, device=dev),
+                torch.full((1, kern.key_width(k)), none, dtype=torch.int64, device=dev),
+            )
+            ws["count"] = torch.zeros(1, dtype=torch.int32, device=dev)
+            ws["rows"] = torch.zeros(self._cap, dtype=torch.int32, device=dev)
+            ws["emit_ticket"] = torch.zeros(1, dtype=torch.int32, device=dev)
         elif self._two_pass(nq, k):
             cfg = self._config(nq, k)
             tiles = self._bt.tiles(self._cap, cfg, k)
@@ -869,6 +883,23 @@ class CudaFlatIndex:
             cands=(ws["rows"], ws["status"] if status is None else status),
         )  # fmt: skip
 
+    def _launch_settle(self, q: Any, k: int, filt: Any, scores: Any, ids: Any,
+                       ws: dict[str, Any], status: Any) -> None:  # fmt: skip
+        # an unproven int8 prefilter search (its workspace ws, just run): every row whose
+        # bound reaches the floor, however many, scored exactly (the cascade's last two
+        # launches, kernels.codes4's module doc); the scope filter is in the bounds already
+        kern = self._k
+        self._c4.emit(ws["upper"], self._n_dev, ws["floor"], ws["count"], ws["rows"],
+                      ws["emit_ticket"], k=k, replicas=1)  # fmt: skip
+        ex = ws.get("exact")
+        if ex is None:  # its own program count, as a single query's scan
+            ex = ws["exact"] = self._workspace(1, k, private=True)
+        kern.scan_topk(
+            self._vecs, self._sq, self._scopes, filt, q, ws["count"], ex["state"], ex["cand"],
+            k=k, metric=self._metric_code, scoped=False, programs=ex["programs"], cfg=ex["cfg"],
+            final=(ex["ticket"], self._ids, scores, ids), cands=(ws["rows"], status),
+        )  # fmt: skip
+
     def _launch(
         self,
         q: Any,
@@ -904,11 +935,12 @@ class CudaFlatIndex:
             return
         if "cand" in ws and (ws.get("prefilter") or self._fast(nq, k)):
             p = ws["programs"]
-            prefilter = None
+            prefilter = settle = None
             if ws.get("prefilter"):  # one query: its workspace's candidates as they are
                 cand = ws["cand"]
                 keep, lists = self._keep(k), cand.shape[2]
                 prefilter = (self._codes, self._meta, status, self.prefilter_mode, keep, lists)
+                settle = (ws["upper"], ws["floor"][0])
             else:
                 cand = ws["cand"].view(-1)[: nq * p * kern.key_width(k)].view(nq, p, -1)
             fused = kern.scan_topk(
@@ -930,6 +962,7 @@ class CudaFlatIndex:
                 publish=publish,
                 gate=gate,
                 trace=self.trace,
+                settle=settle,
             )
             if fused:
                 return
@@ -1186,6 +1219,18 @@ class CudaFlatIndex:
                     gate if gating else None,
                 )  # fmt: skip
                 launches += 1
+            if prefilter and not publishing and "floor" in ws:
+                # an unproven search's settle: its emit, and its exact pass in each class of
+                # a single query's program count
+                for p1 in program_classes(self._config(1, k), k, cap, False):
+                    scratch._programs = lambda cfg, k, p1=p1: p1  # type: ignore[method-assign,misc]
+                    try:
+                        ws.pop("exact", None)
+                        scratch._launch_settle(queries[:1], k, scratch._no_filter, scores, ids,
+                                               ws, status)  # fmt: skip
+                    finally:
+                        scratch.__dict__.pop("_programs", None)
+                    launches += 1
 
         def run4(k: int, scoped: bool) -> None:
             # the 4-bit cascade: its bounds pass and its exact pass each take a program count
@@ -1265,10 +1310,13 @@ class SearchGraph:
     the bytes (dim + 12 a row against 2 dim at fp16), then an exact re-rank of the rows of
     highest score bound (``prefilter_candidates(k)``), and a flag that says whether the bound
     proves the result exact. Such a graph is run with :meth:`replay_and_wait`, which takes the
-    prefilter once the index holds ``index.prefilter_min_rows`` live rows (where it pays),
-    checks the flag, and replays the full scan when it is not proven (``fallbacks`` counts
-    those; the bound is loose where many rows score within ~1% of the k-th best). The result
-    is the full scan's, up to the order of exact ties.
+    prefilter once the index holds ``index.prefilter_min_rows`` live rows (where it pays) and
+    checks the flag. An unproven search (``fallbacks`` counts those; the bound is loose where
+    many rows score within ~1% of the k-th best) settles in a third graph: every row whose
+    int8 bound reaches the k-th best exact score of the re-ranked rows, however many, is
+    scored exactly (``settled_rows``: how many, the last time), instead of a full scan. The
+    result is the full scan's, up to the order of exact ties. (The 4-bit cascade's graph
+    settles every search in one graph.)
 
     ``publish`` (with ``prefilter``): (seq [1] int64 on the device, dest [1] int64 in host
     memory registered for the GPU). A proven prefilter search then stores seq into dest once
@@ -1303,7 +1351,8 @@ class SearchGraph:
         self.k = _k_in(k)
         self.scope_active = bool(scope_active)
         self.prefilter = bool(prefilter) and index.prefilter_ok(nq, self.k)
-        self.fallbacks = 0  # prefiltered searches that replayed the full scan
+        self.fallbacks = 0  # prefiltered searches not proven (settled in a second graph)
+        self.settled_rows = 0  # the rows the last of them scored exactly
         # the prefilter stores a sequence number once proven (see the class doc)
         # (the 4-bit cascade's last pass can publish too, but the doorbell has not been measured
         # with it: its graphs are answered through the poller)
@@ -1327,7 +1376,7 @@ class SearchGraph:
         status = torch.zeros(2, dtype=torch.int32)  # verdict; the 4-bit cascade's candidates
         self._status = status.pin_memory() if index._on_gpu else status
         self._status_np = self._status.numpy()
-        self._graphs: list[Any] = []  # [full scan, prefilter] CUDA graphs (GPU only)
+        self._graphs: list[Any] = []  # [full scan, prefilter, settle] CUDA graphs (GPU only)
         self._launchers: list[Any] = []  # replay_and_wait's driver launchers of them
         self._generation = -1
         self._capture()
@@ -1353,6 +1402,16 @@ class SearchGraph:
             self.publish if prefilter else None, gate,
         )  # fmt: skip
 
+    def _run_settle(self) -> None:
+        filt = self.scope if self.scope_active else self.index._no_filter
+        self.index._launch_settle(self.query, self.k, filt, self.scores, self.ids, self._ws[1],
+                                  self._status)  # fmt: skip
+
+    def _settles(self) -> bool:
+        """Whether an unproven prefilter search settles from its bounds (the int8 prefilter's
+        workspace has them) rather than in a full scan."""
+        return len(self._ws) > 1 and "floor" in self._ws[1]
+
     def _capture(self) -> None:
         """The full scan's workspace and graph; the prefilter's come on first use (_ensure),
         since below prefilter_min_rows it never runs."""
@@ -1370,20 +1429,23 @@ class SearchGraph:
             self._ws.append(self.index._workspace(self.nq, self.k, private=True, prefilter=True))
             self._launchers = []
             self._capture_one(True)
+            if self._settles():
+                self._capture_one(False, settle=True)
 
-    def _capture_one(self, prefilter: bool) -> None:
+    def _capture_one(self, prefilter: bool, settle: bool = False) -> None:
         index = self.index
         if not index._on_gpu:
             return
         torch = index._torch
         stream = torch.cuda.Stream(device=index.device)
         stream.wait_stream(torch.cuda.current_stream(index.device))
+        run = self._run_settle if settle else lambda: self._run(prefilter)
         with torch.cuda.stream(stream):
-            self._run(prefilter)  # compiles the kernels, outside the capture
+            run()  # compiles the kernels, outside the capture
         torch.cuda.current_stream(index.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            self._run(prefilter)
+            run()
         torch.cuda.current_stream(index.device).wait_stream(stream)
         self._graphs.append(graph)
 
@@ -1404,7 +1466,7 @@ class SearchGraph:
         launched and waited for through the driver (:func:`kalos.gpu.driver.graph_launcher`),
         which saves torch's per-replay bookkeeping: at 1M x 128 on the H200, replay + sync
         87.3 µs against 92.2 with torch's. A prefiltered graph
-        runs the prefilter first and the full scan only when its result is not proven.
+        runs the prefilter first, then settles its result when it is not proven.
 
         Returns whether the answer is the proven prefilter's: with ``publish``, the kernel has
         then stored the sequence number (the full scan never does)."""
@@ -1419,6 +1481,10 @@ class SearchGraph:
                     return True
                 self.fallbacks += 1
                 index.prefilter_fallbacks += 1
+                if self._settles():
+                    self._run_settle()
+                    self._settled()
+                    return False
             self._run()
             return False
         if not self._launchers:
@@ -1437,8 +1503,19 @@ class SearchGraph:
                 return True
             self.fallbacks += 1
             index.prefilter_fallbacks += 1
+            if len(self._launchers) > 2:
+                self._launchers[2]()
+                self._settled()
+                return False
         self._launchers[0]()
         return False
+
+    def _settled(self) -> None:
+        rows = int(self._status_np[1])  # the settle pass's candidates
+        self.settled_rows = rows
+        index = self.index
+        index.prefilter_settled_rows += rows
+        index.prefilter_settled_max = max(index.prefilter_settled_max, rows)
 
 
 # ---------------------------------------------------------------------------------- helpers

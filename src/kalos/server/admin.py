@@ -350,7 +350,9 @@ class SidecarCollector:
             ("prefilter_searches", "kalos_gpu_prefilter_searches",
              "Single-query searches that scanned the int8 codes first"),
             ("prefilter_fallbacks", "kalos_gpu_prefilter_fallbacks",
-             "Of those, searches whose bound did not prove the answer (full scan replayed)"),
+             "Of those, searches whose bound did not prove the answer (settled from the bounds)"),
+            ("prefilter_settled_rows", "kalos_gpu_prefilter_settled_rows",
+             "Rows those unproven searches scored exactly (every row their bounds left open)"),
         ):  # fmt: skip
             c = CounterMetricFamily(name, help_text, labels=("device",))
             c.add_metric((device,), getattr(index, attr, 0))

@@ -19,8 +19,9 @@ response header before the launch and stages the response's sequence number besi
 query; once the kernel has proven its result it makes the results visible to the host and
 stores that number into the channel's response sequence word. The client reads the answer
 then, while the sidecar is still waiting for the stream; afterwards the poller only wakes a
-parked client (see :meth:`PinnedArena.announce`). An unproven search replays the full scan,
-and the poller publishes as for any other request.
+parked client (see :meth:`PinnedArena.announce`). An unproven search settles in a second
+graph (every row its bound leaves open, scored exactly: SearchGraph), and the poller
+publishes as for any other request.
 """
 
 from __future__ import annotations

@@ -494,10 +494,11 @@ def _scan_topk_kernel(
     pub_ptr,  # PUBLISH: [1] int64 in registered host memory, the channel's response sequence
     gate_ptr,  # GATED: [1] int32 on the device; 0: this launch does nothing (server.doorbell)
     trace_ptr,  # TRACE: [P + 1, 8] int64, where the time goes (see scan_topk's trace)
-    up_ptr,  # CODES 4: upper [cap] fp32, each row's score upper bound (written)
+    up_ptr,  # CODES 4 or SETTLE: upper [cap] fp32, each row's score upper bound (written)
     qc_ptr,  # CODES 4: the rotated query's int8 parts as words [NCH, 4, 8] (kernels.codes4)
     qf_ptr,  # CODES 4: the rotated query's fp32 terms (kernels.codes4.QF_*)
     rows_ptr,  # CANDS: the candidate rows [cap] int32; n_ptr then holds their count
+    floor_ptr,  # SETTLE: [1] int64, the re-ranked rows' kf-th best exact key (written)
     RSTRIDE,  # rows between two replicas of thr and slots (replica r of query q: r * RSTRIDE + q)
     nq,
     k,  # the rows kept per query: the final k, or the prefilter's candidates (CODES)
@@ -535,6 +536,7 @@ def _scan_topk_kernel(
     REPL: tl.constexpr,  # replicas of the bounds (ScanConfig.bound_replicas)
     NCH: tl.constexpr = 1,  # CODES 4: 64-dimension chunks of the rotated rows
     CANDS: tl.constexpr = 0,  # 1: score the rows listed at rows_ptr (the 4-bit cascade's last pass)
+    SETTLE: tl.constexpr = 0,  # CODES 1, 2: every row's upper bound and the floor, for settle
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -628,6 +630,9 @@ def _scan_topk_kernel(
         if CODES == 4:  # every row's upper bound, for the emit pass (-inf: filtered out)
             tl.store(up_ptr + rows, tl.where(valid, tl.reshape(up, [BLOCK_N]), float("-inf")),
                      mask=rmask)  # fmt: skip
+        elif SETTLE:  # the int8 bounds too: an unproven search settles from them
+            tl.store(up_ptr + rows, tl.where(valid, tl.reshape(s, [BLOCK_N]), float("-inf")),
+                     mask=rmask)  # fmt: skip
         keys = _keys_from_scores(s, rows[None, :], valid[None, :] & qs_ok[:, None])
         if SKIP:
             tmax = tl.max(keys, axis=1)  # [BQS]
@@ -700,9 +705,11 @@ def _scan_topk_kernel(
                         floor = tl.maximum(bound, lists_last)
                     else:
                         floor = bound * 0 + _KEY_NONE
-                    top, exact = _rerank(
+                    top, exact, kth = _rerank(
                         db_ptr, sq_ptr, status_ptr, key, floor, qv, kf, D, BLOCK_D, KPF, METRIC
                     )
+                    if SETTLE:  # at most the exact kf-th score: settle's bound (codes4.emit)
+                        tl.store(floor_ptr, kth)
                     if TRACE != 0:
                         tl.store(trace_ptr + P * 8 + 1, _clock(pid, TRACE))
                     _write_top(
@@ -748,7 +755,8 @@ def _rerank(
     METRIC: tl.constexpr,
 ):
     # key: [KPC] the prefilter's candidates, sorted descending by their score's upper bound
-    # -> [KPF] the top-kf of their exact scores (as _tile_scores computes them), sorted.
+    # -> ([KPF] the top-kf of their exact scores (as _tile_scores computes them), sorted;
+    # whether proven; the kf-th of them, a key no greater than the exact kf-th best row's).
     # Writes status 1 when that is provably the exact top-kf of every row: each row left out
     # has an upper bound <= max(the least kept one's, floor), and that is below the kf-th
     # exact score (or fewer than KPC rows passed the filter at all, so none was left out).
@@ -772,7 +780,7 @@ def _rerank(
     kth_s, _ = _scores_from_keys(kth)
     exact = (least == _KEY_NONE) | ((kth != _KEY_NONE) & (least_s < kth_s))
     tl.store(status_ptr, exact.to(tl.int32))
-    return top, exact
+    return top, exact, kth
 
 
 @triton.jit
@@ -1314,6 +1322,7 @@ def scan_topk(
     trace: Any = None,
     bounds4: tuple | None = None,
     cands: tuple | None = None,
+    settle: tuple | None = None,
 ) -> bool:
     """Launch the fused scan.
 
@@ -1332,7 +1341,7 @@ def scan_topk(
     scan the int8 codes instead (see :func:`prefilter_meta`; mode 2 scores them with an int8
     dot, 1 with FMAs): the scan keeps the ``keep`` (> k) rows of highest score bound,
     the last program re-scores them from ``db`` and writes their exact top-k, and ``status``
-    says whether that is provably the exact top-k of all rows (1) or needs the full scan (0).
+    says whether that is provably the exact top-k of all rows (1) or not (0: see ``settle``).
     Needs ``final`` and one query; state and cand sized for ``keep``.
 
     publish (with ``prefilter``): (seq [1] int64 on the device, dest [1] int64 in host memory
@@ -1369,10 +1378,16 @@ def scan_topk(
     count of candidate rows listed in ``rows``; the scan scores those exactly, its last
     program writes the top-k (``final``), sets status to 1, publishes (``publish``) and resets
     the count to 0.
+
+    settle (with ``prefilter``): (upper [cap] fp32, floor [1] int64): the prefilter also writes
+    every row's score upper bound into ``upper`` (-inf: filtered out) and the kf-th best
+    exact key of its re-ranked rows into ``floor``: at least kf rows score that, so every row
+    of the exact top-k has an upper bound at or above it. An unproven search settles from
+    them (``codes4.emit`` over ``upper``, then the ``cands`` pass) instead of a full scan.
     """
     nq, dim = q.shape
     kf = k
-    up = qc = qf = rows = db
+    up = qc = qf = rows = floor = db
     nch = 1
     if bounds4 is not None:
         if final is not None or nq != 1 or prefilter is not None:
@@ -1388,6 +1403,10 @@ def scan_topk(
             raise ValueError("the int8 prefilter runs fused, for one query")
         codes, meta, status, codes_mode, k, lists = prefilter
         kp = key_width(lists or k)  # the programs' lists (shorter than k: see _rerank)
+        if settle is not None:
+            up, floor = settle
+    elif settle is not None:
+        raise ValueError("settle comes with the prefilter")
     else:
         codes = meta = status = db
         codes_mode = 0
@@ -1452,6 +1471,7 @@ def scan_topk(
         qc,
         qf,
         rows,
+        floor,
         thr.shape[0] // replicas,
         nq,
         k,
@@ -1489,6 +1509,7 @@ def scan_topk(
         REPL=replicas,
         NCH=nch,
         CANDS=int(cands is not None),
+        SETTLE=int(settle is not None),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
