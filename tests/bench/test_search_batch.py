@@ -28,7 +28,7 @@ def test_every_path_and_batch_size_is_timed_and_checked(tmp_path) -> None:
     assert set(rows) == {(p, b) for p in ("two-pass", "fused", "torch") for b in (1, 4, 8)}
     assert all(r["wrong"] == 0 and r["p99_us"] >= r["p50_us"] > 0 for r in rows.values())
     assert [rows[("two-pass", b)]["two_pass"] for b in (1, 4, 8)] == [False, True, True]
-    assert result["params"]["default_two_pass_batch"] == 0  # off by default
+    assert result["params"]["default_two_pass_batch"] == 32  # the default from 32 queries
     assert not any(rows[("fused", b)]["two_pass"] for b in (1, 4, 8))
     assert result["checks"]["wrong_results"] == 0
     assert set(result["checks"]["largest_over_one"]) == {"batch", "two-pass", "fused", "torch"}
