@@ -1,10 +1,11 @@
 """Cold start of a cuda sidecar: start to ready from ``--data-dir``, and its first searches.
 
 ``search-gpu`` runs this on its first corpus set (``--no-cold-start`` skips it). A sidecar with
-its own kernel cache fills a data directory with the set's rows (in 8 users' scopes) and stops
-(``stop_s``: SIGTERM to exit, its clean-stop snapshot included). Then, twice over the same
-data directory, a sidecar starts with ``--cache-dir``: first an empty kernel cache
-(``empty_cache``), then the cache that start filled (``same_cache``). Each reports:
+Triton's default kernel cache fills a data directory with the set's rows (in 8 users' scopes) and
+stops (``load_stop_s``: SIGTERM to exit, its clean-stop snapshot included). Then, twice over
+the same data directory, a sidecar starts with a ``--cache-dir`` of its own: first an empty
+kernel cache (``empty_cache``), then the cache that start filled (``same_cache``). Each
+reports:
 
 - ``start_to_ready_s``: process start to the first handshake it accepts (recovery, the index's
   upload and every kernel's warm-up happen before it);
@@ -134,8 +135,11 @@ def measure(torch: Any, db: np.ndarray, ids: np.ndarray, queries: np.ndarray,
         data = os.path.join(work, "data")
         rd = os.path.join(work, "run")
         os.makedirs(rd)
-        # fill the data directory (a kernel cache of its own: the next start's is empty)
-        s = _start("cold-load", dim, rd, n, data, os.path.join(work, "cache-load"), device)
+        # fill the data directory with Triton's own kernel cache, as the sidecars without a
+        # data directory use it (warm where this machine ran one of this dim before); the
+        # measured starts' cache is their own
+        shared = os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")
+        s = _start("cold-load", dim, rd, n, data, shared, device)
         try:
             wait_for_socket(s.socket, s.process)
             wait_ready(s.socket, s.process, timeout=900.0)
