@@ -268,4 +268,4 @@ def test_prefilter_scope_ties_and_fallback_at_1m():
     g = check_graph_search(idx, x, ids, scopes, q, 10)
     assert g.fallbacks == 1 and 10 <= g.settled_rows < 1000
     g = check_graph_search(idx, x, ids, scopes, q, 10, scope=(2, 3, 0))
-    assert g.fallbacks == 1 and g.settled_rows < 1000
+    assert g.settled_rows < 1000  # proven (a scope keeps ~25 of the near rows), or settled
