@@ -489,9 +489,10 @@ class MemoryStore:
             at += len(q)
         batch[at:] = batch[0]  # padding rows: a real query (cosine needs a norm); ignored
         scores, ids = gpu.search(batch, k, filt)  # views into staging, [size, k]
+        scores, ids = scores[:rows].copy(), ids[:rows].copy()  # the staging's next call
         at = 0
         for slot, (_, q, kk, _) in zip(slots, members, strict=True):
-            found[slot] = (scores[at : at + len(q), :kk].copy(), ids[at : at + len(q), :kk].copy())
+            found[slot] = (scores[at : at + len(q), :kk], ids[at : at + len(q), :kk])
             at += len(q)
 
     def search_to_device(
