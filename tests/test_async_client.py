@@ -22,7 +22,7 @@ import pytest
 
 import kalos
 from conftest import TIMEOUT, stop_process
-from kalos.async_client import _cuda_stream, _owned
+from kalos.async_client import _Completions, _cuda_stream, _owned
 from kalos.errors import (
     ClosedError,
     ConfigError,
@@ -459,3 +459,59 @@ def test_many_cancelled_awaits_never_mix_up_answers(
             assert c.reconnects == 0  # every channel was drained, none discarded
 
     asyncio.run(main())
+
+
+def test_results_from_many_threads_reach_the_loop_in_few_wake_ups() -> None:
+    """Channel threads hand results back through _Completions: every future is resolved
+    once, on the loop, with its own value or exception, and results that arrive together
+    share a wake-up; a closed loop drops them without raising on the thread."""
+    resolved: list[tuple[asyncio.Future, bool, object]] = []
+
+    def done(future: asyncio.Future, ok: bool, value: object) -> None:
+        assert threading.current_thread() is threading.main_thread()
+        resolved.append((future, ok, value))
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)  # type: ignore[arg-type]
+
+    completions = _Completions(done)
+    drains = 0
+    drain = completions._drain
+
+    def counted(entry: list) -> None:
+        nonlocal drains
+        drains += 1
+        drain(entry)
+
+    completions._drain = counted  # type: ignore[method-assign]
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in range(2000)]
+
+        def hand(part: range) -> None:
+            for i in part:
+                value = ValueError(i) if i % 7 == 0 else i
+                completions.hand_back(loop, futures[i], i % 7 != 0, value)
+
+        for wave in (range(0, 1000), range(1000, 2000)):  # the second after a drain
+            threads = [threading.Thread(target=hand, args=(wave[t::8],)) for t in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                await asyncio.to_thread(t.join)
+            gathered = asyncio.gather(*futures[wave.start : wave.stop], return_exceptions=True)
+            results = await asyncio.wait_for(gathered, TIMEOUT)  # a lost result: a failure
+            for i, r in zip(wave, results, strict=True):
+                if i % 7 == 0:
+                    assert isinstance(r, ValueError) and r.args == (i,)
+                else:
+                    assert r == i
+
+    asyncio.run(main())
+    assert len(resolved) == 2000 and len({id(f) for f, _, _ in resolved}) == 2000
+    assert 2 <= drains < 2000
+    loop = asyncio.new_event_loop()
+    loop.close()
+    completions.hand_back(loop, None, True, 1)  # type: ignore[arg-type]  # nobody waits

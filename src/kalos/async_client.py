@@ -8,7 +8,8 @@ How: a pool of channel threads, each owning one channel of a private :class:`Cli
 sync client keeps one channel per thread). A call on the event loop queues a job; an idle
 channel thread (a new one while fewer than ``max_channels`` exist) runs the sync call, which
 spins and parks on its channel with the GIL released, copies any view out of the channel and
-hands the result back with ``loop.call_soon_threadsafe``. Beyond ``max_channels`` calls in
+hands the result back to the loop: one ``loop.call_soon_threadsafe`` (a wake-up of the loop)
+for all the results that arrive before the loop comes round to them. Beyond ``max_channels`` calls in
 flight, calls queue (first in, first out) for the next free channel; the deadline of a call
 counts from the moment it was awaited, queueing included.
 """
@@ -16,7 +17,7 @@ counts from the moment it was awaited, queueing included.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import collections
 import contextvars
 import functools
 import queue
@@ -125,6 +126,45 @@ def _resolve(future: asyncio.Future, ok: bool, value: Any) -> None:
         future.set_result(value)
     else:
         future.set_exception(value)
+
+
+class _Completions:
+    """Results handed back from channel threads to their loops, one wake-up for all that
+    arrive before the loop comes round to them: a thread appends its result to its loop's
+    queue and schedules a drain only when none is pending (``call_soon_threadsafe`` writes to
+    the loop's self-pipe: a syscall and a wake-up a call otherwise)."""
+
+    def __init__(self, done: Callable[[asyncio.Future, bool, Any], None]) -> None:
+        self._done = done
+        # loop -> [its results, whether a drain is scheduled]
+        self._queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[Any]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._lock = threading.Lock()
+
+    def hand_back(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future, ok: bool,
+                  value: Any) -> None:  # fmt: skip
+        """On a channel thread: ``future``'s result, resolved on ``loop`` by ``done``."""
+        entry = self._queues.get(loop)
+        if entry is None:
+            with self._lock:
+                entry = self._queues.setdefault(loop, [collections.deque(), False])
+        entry[0].append((future, ok, value))  # before the flag is read (see _drain)
+        if not entry[1]:
+            entry[1] = True
+            try:
+                loop.call_soon_threadsafe(self._drain, entry)
+            except RuntimeError:  # a closed loop: nobody waits for these
+                entry[1] = False
+
+    def _drain(self, entry: list[Any]) -> None:
+        """On the loop: every result handed back so far. The flag drops first, so a result
+        appended after the last pop schedules a drain of its own."""
+        entry[1] = False
+        results = entry[0]
+        done = self._done
+        while results:
+            done(*results.popleft())
 
 
 class _ChannelThreads:
@@ -267,6 +307,7 @@ class AsyncClient:
         self._closed = False
         self._in_flight = 0  # calls submitted and not yet back on the loop
         self._threads = _ChannelThreads(max_channels, weakref.WeakMethod(self._run))
+        self._completions = _Completions(self._done)
         weakref.finalize(self, self._threads.stop)
 
     # -- the sync client, on a channel thread ------------------------------------------------
@@ -307,8 +348,7 @@ class AsyncClient:
                 result, ok = (value, client._local.timings), True
             except BaseException as exc:  # handed to the awaiting task, raised there
                 result = exc
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits for this
-            job.loop.call_soon_threadsafe(self._done, job.future, ok, result)
+        self._completions.hand_back(job.loop, job.future, ok, result)
 
     def _done(self, future: asyncio.Future, ok: bool, result: Any) -> None:
         self._in_flight -= 1
