@@ -9,9 +9,9 @@ sync client keeps one channel per thread). A call on the event loop queues a job
 channel thread (a new one while fewer than ``max_channels`` exist) runs the sync call, which
 spins and parks on its channel with the GIL released, copies any view out of the channel and
 hands the result back to the loop: one ``loop.call_soon_threadsafe`` (a wake-up of the loop)
-for all the results that arrive before the loop comes round to them. Beyond ``max_channels`` calls in
-flight, calls queue (first in, first out) for the next free channel; the deadline of a call
-counts from the moment it was awaited, queueing included.
+for all the results that arrive before the loop comes round to them. Beyond ``max_channels``
+calls in flight, calls queue (first in, first out) for the next free channel; the deadline of
+a call counts from the moment it was awaited, queueing included.
 """
 
 from __future__ import annotations
