@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -467,15 +468,17 @@ def test_results_from_many_threads_reach_the_loop_in_few_wake_ups() -> None:
     share a wake-up; a closed loop drops them without raising on the thread."""
     resolved: list[tuple[asyncio.Future, bool, object]] = []
 
-    def done(future: asyncio.Future, ok: bool, value: object) -> None:
-        assert threading.current_thread() is threading.main_thread()
-        resolved.append((future, ok, value))
-        if ok:
-            future.set_result(value)
-        else:
-            future.set_exception(value)  # type: ignore[arg-type]
+    class Resolver:  # as AsyncClient._done, held weakly
+        def done(self, future: asyncio.Future, ok: bool, value: object) -> None:
+            assert threading.current_thread() is threading.main_thread()
+            resolved.append((future, ok, value))
+            if ok:
+                future.set_result(value)
+            else:
+                future.set_exception(value)  # type: ignore[arg-type]
 
-    completions = _Completions(done)
+    resolver = Resolver()
+    completions = _Completions(weakref.WeakMethod(resolver.done))
     drains = 0
     drain = completions._drain
 

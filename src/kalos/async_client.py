@@ -134,7 +134,8 @@ class _Completions:
     queue and schedules a drain only when none is pending (``call_soon_threadsafe`` writes to
     the loop's self-pipe: a syscall and a wake-up a call otherwise)."""
 
-    def __init__(self, done: Callable[[asyncio.Future, bool, Any], None]) -> None:
+    def __init__(self, done: weakref.WeakMethod) -> None:
+        # weak: no cycle through it keeps a dropped AsyncClient (and its threads) alive
         self._done = done
         # loop -> [its results, whether a drain is scheduled]
         self._queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[Any]] = (
@@ -162,7 +163,10 @@ class _Completions:
         appended after the last pop schedules a drain of its own."""
         entry[1] = False
         results = entry[0]
-        done = self._done
+        done = self._done()
+        if done is None:  # the client is gone: nobody awaits these
+            results.clear()
+            return
         while results:
             done(*results.popleft())
 
@@ -307,7 +311,7 @@ class AsyncClient:
         self._closed = False
         self._in_flight = 0  # calls submitted and not yet back on the loop
         self._threads = _ChannelThreads(max_channels, weakref.WeakMethod(self._run))
-        self._completions = _Completions(self._done)
+        self._completions = _Completions(weakref.WeakMethod(self._done))
         weakref.finalize(self, self._threads.stop)
 
     # -- the sync client, on a channel thread ------------------------------------------------
