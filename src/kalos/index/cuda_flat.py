@@ -186,9 +186,8 @@ class CudaFlatIndex:
         # the bounds, or by a full scan where a graph has no bounds)
         self.prefilter_searches = 0
         self.prefilter_fallbacks = 0
-        # of those, the rows they scored exactly: in all, and the most in one search
+        # of those, the rows they scored exactly, in all
         self.prefilter_settled_rows = 0
-        self.prefilter_settled_max = 0
         # what the last warm-up's parallel compile did (kernels.precompile.compile_all)
         self.precompiled: dict[str, Any] | None = None
         self._torch = torch
@@ -1513,9 +1512,7 @@ class SearchGraph:
     def _settled(self) -> None:
         rows = int(self._status_np[1])  # the settle pass's candidates
         self.settled_rows = rows
-        index = self.index
-        index.prefilter_settled_rows += rows
-        index.prefilter_settled_max = max(index.prefilter_settled_max, rows)
+        self.index.prefilter_settled_rows += rows
 
 
 # ---------------------------------------------------------------------------------- helpers

@@ -134,6 +134,15 @@ def _tile_max_kernel(
         tl.store(out + t, tl.max(s, axis=1), mask=qs < nq)
 
 
+@triton.jit
+def _slice(n, sid, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    # slice sid of SPLIT of the tiles of n rows: tiles [lo, hi)
+    n_tiles = tl.cdiv(n, BLOCK_N)
+    width = tl.cdiv(n_tiles, SPLIT)
+    lo = sid * width
+    return lo, tl.minimum(lo + width, n_tiles)
+
+
 @triton.jit(do_not_specialize=_SLICE_DYNAMIC)
 def _slice_top_kernel(
     n_ptr,  # n: [1] int32, the live rows
@@ -149,10 +158,7 @@ def _slice_top_kernel(
     # chunk none of which beats the slice's KP-th so far is not sorted (most of them)
     qid = tl.program_id(0)
     sid = tl.program_id(1)
-    n_tiles = tl.cdiv(tl.load(n_ptr), BLOCK_N)
-    width = tl.cdiv(n_tiles, SPLIT)
-    lo = sid * width
-    hi = tl.minimum(lo + width, n_tiles)
+    lo, hi = _slice(tl.load(n_ptr), sid, BLOCK_N, SPLIT)
     trow = tmax_ptr + qid.to(tl.int64) * TW
     tiles = tl.arange(0, CHUNK)
     top = tl.full([1, KP], _KEY_NONE, tl.int64)
@@ -202,10 +208,7 @@ def _rescore_kernel(
     qid = tl.program_id(0)
     sid = tl.program_id(1)
     n = tl.load(n_ptr)
-    n_tiles = tl.cdiv(n, BLOCK_N)
-    width = tl.cdiv(n_tiles, SPLIT)
-    lo = sid * width
-    hi = tl.minimum(lo + width, n_tiles)
+    lo, hi = _slice(n, sid, BLOCK_N, SPLIT)
     dc = tl.arange(0, BLOCK_D)
     qv = tl.load(q_ptr + qid.to(tl.int64) * stride_q + dc, mask=dc < D, other=0.0).to(tl.float32)
     qn = tl.sqrt(tl.sum(qv * qv, axis=0))

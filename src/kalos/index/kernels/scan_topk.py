@@ -521,7 +521,7 @@ def _scan_topk_kernel(
     PREC: tl.constexpr,
     DOT_F32: tl.constexpr,
     NUM_STAGES: tl.constexpr,
-    CTA_OR: tl.constexpr,  # the skip decision through _cta_any (GPU; not under the interpreter)
+    CTA_OR: tl.constexpr,  # PTX (GPU; not the interpreter): the skip through _cta_any, dp4a
     FUSED: tl.constexpr,  # nq == 1: the last program to finish does merge_topk's work
     SURV: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -661,8 +661,7 @@ def _scan_topk_kernel(
             merged += (hit > 0).to(tl.int32)
         if hit > 0 and CODES == 4:
             # the bounds pass raises the group bests alone (its tile's best lower bound): the
-            # least of k group bests is as tight as the lists' k-th key on real embeddings
-            # (the same rows left open on clustered 1M x 384) and costs no sort
+            # least of k group bests bounds the k-th best lower bound with no list to sort
             top1 = tl.broadcast_to(tl.max(keys, axis=1)[:, None], [BQS, REPL])
             tl.atomic_max(my_slot, top1, mask=qs_ok[:, None], sem="relaxed")
         elif hit > 0:
@@ -675,8 +674,9 @@ def _scan_topk_kernel(
                 top1 = tl.broadcast_to(tl.max(run, axis=1)[:, None], [BQS, REPL])
                 tl.atomic_max(my_slot, top1, mask=qs_ok[:, None], sem="relaxed")
 
-    out = cand_ptr + qs[:, None] * (P * KP) + pid * KP + kk[None, :]
-    tl.store(out, run, mask=qs_ok[:, None])
+    if CODES != 4:  # (the bounds pass keeps no lists)
+        out = cand_ptr + qs[:, None] * (P * KP) + pid * KP + kk[None, :]
+        tl.store(out, run, mask=qs_ok[:, None])
     if TRACE != 0:
         tl.store(trace_ptr + pid * 8 + 1, _clock(pid, TRACE))
         tl.store(trace_ptr + pid * 8 + 2, merged)
