@@ -537,6 +537,45 @@ def test_an_unproven_prefilter_search_settles_from_its_bounds():
     assert g.fallbacks == 0 and (idx.prefilter_searches, idx.prefilter_fallbacks) == (2, 1)
 
 
+def test_a_search_prefiltered_outside_the_graph_only_settles(monkeypatch):
+    # the doorbell's armed graph runs the prefilter's pass itself; when it cannot prove the
+    # search, the sidecar's replay for that request settles from the bounds it left, without
+    # scanning again, unless the index changed or the request is another one
+    dim = 64
+    x, ids, base = unprovable_rows(np.random.default_rng(5), dim)
+    idx = make_index("ip", "fp32", dim, "cpu")
+    idx.add(x, ids)
+    idx.prefilter_min_rows = 0
+    scans: list[int] = []
+    launch = idx._launch
+    monkeypatch.setattr(idx, "_launch", lambda *a, **kw: (scans.append(1), launch(*a, **kw)))
+    g = idx.graph(1, 10, prefilter=True)
+    g.query.copy_(torch.from_numpy(base[None]))
+
+    def prefiltered(token: int) -> None:
+        g._ensure(True)
+        g._run(True)  # as the armed graph does: the prefilter's pass alone
+        assert g._status_np[0] == 0
+        g.prefiltered(token)
+
+    def replay(token: int) -> int:
+        scans.clear()
+        g.scores.fill_(0)
+        assert not g.replay_and_wait(None, token)
+        check_result(idx, x, ids, None, base[None], 10, g.scores.numpy(), g.ids.numpy())
+        return len(scans)
+
+    prefiltered(7)
+    assert replay(7) == 0 and g.settled_rows >= 10  # settled only, and exact
+    assert (idx.prefilter_searches, idx.prefilter_fallbacks) == (1, 1)
+    assert replay(7) == 1  # once: the next replay scans
+    prefiltered(8)
+    assert replay(9) == 1  # another request's replay scans
+    prefiltered(10)
+    idx.add(x[:1], ids[:1])  # a write in between (an upsert of the same row)
+    assert replay(10) == 1
+
+
 def test_the_settle_floor_is_the_reranked_kth_exact_score():
     # rows along the query's direction, a step apart in score (well above the reference's
     # tolerance, well below the int8 bound): the prefilter cannot prove the top-10, and the

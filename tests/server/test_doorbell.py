@@ -212,12 +212,20 @@ def test_a_request_unlike_the_template_is_served_by_the_sidecar(served, change):
     served.check(q3.astype(np.float32), scores, got, code, k=k)
 
 
-def test_an_unproven_search_the_gpu_took_is_answered_by_the_sidecar(served):
+def test_an_unproven_search_the_gpu_took_is_answered_by_the_sidecar(served, monkeypatch):
     served.search(query(10))
+    index = served.memories.index
+    scans: list[bool] = []  # each scan's gate: None when the sidecar launched it
+    launch = index._launch
+    monkeypatch.setattr(
+        index, "_launch", lambda *a, **kw: (scans.append(a[-1] is None), launch(*a, **kw))
+    )
     status, flags, _, scores, got = served.search(served.base)
-    assert (status, flags) == (Status.OK, 0)  # the full scan's answer, published by the poller
+    assert (status, flags) == (Status.OK, 0)  # settled, and published by the poller
     served.check(served.base, scores, got, 1)
     assert served.door.unproven == 1 and served.door.armed is None
+    # the armed graph's scan alone: the sidecar settled from its bounds, without a scan
+    assert scans == [False] and index.prefilter_settled_rows > 0
     status, flags, _, scores, got = served.search(query(11))
     assert flags == PUBLISHED  # the sidecar's path, then armed again
     status, flags, _, scores, got = served.search(query(12))

@@ -204,6 +204,7 @@ class CudaFlatIndex:
         self._n = 0
         self._cap = 0
         self._generation = 0  # bumped whenever storage moves (graphs recapture)
+        self._writes = 0  # bumped by every add, remove and reset (SearchGraph.resume_settle)
         self._row_ids = np.empty(0, dtype=np.int64)  # host mirror of ids[:cap]
         self._map: dict[int, int] | None = {}  # id -> row; None = rebuild from _row_ids
         self._sorted: Any = None  # (live ids sorted, their rows) on the device; None: stale
@@ -338,6 +339,7 @@ class CudaFlatIndex:
         storage), or id -1 (reserved).
         """
         torch = self._torch
+        self._writes += 1
         x = self._vectors_in(vectors, "vectors")
         n_in = x.shape[0]
         id_arr = _ids_in(ids, n_in)
@@ -433,6 +435,7 @@ class CudaFlatIndex:
     def remove(self, ids: Any) -> int:
         """Remove ``ids``; returns how many were present. The last rows fill the holes."""
         torch = self._torch
+        self._writes += 1
         arr = np.unique(_to_numpy(ids).astype(np.int64, copy=False).reshape(-1))
         if self._n == 0 or arr.size == 0:
             return 0
@@ -467,6 +470,7 @@ class CudaFlatIndex:
 
     def reset(self) -> None:
         """Drop every item; the storage (and captured graphs) stay."""
+        self._writes += 1
         self._map = {}
         self._sorted = None
         self._row_ids[: self._n] = -1
@@ -1378,6 +1382,9 @@ class SearchGraph:
         self._graphs: list[Any] = []  # [full scan, prefilter, settle] CUDA graphs (GPU only)
         self._launchers: list[Any] = []  # replay_and_wait's driver launchers of them
         self._generation = -1
+        # (request token, index generation, index writes) of a prefilter run outside
+        # replay_and_wait and not proven (prefiltered): that request settles without it
+        self._resume: tuple[int, int, int] | None = None
         self._capture()
 
     @property
@@ -1460,18 +1467,45 @@ class SearchGraph:
         else:
             self._graphs[0].replay()
 
-    def replay_and_wait(self, stream: Any) -> bool:
+    def prefiltered(self, token: int) -> None:
+        """The prefilter's pass has just run on this graph's query and workspace outside
+        :meth:`replay_and_wait` (the doorbell's armed graph, server.doorbell) for request
+        ``token`` (non-zero), and did not prove it. If ``replay_and_wait(stream, token)``
+        follows for the same request, with the index unchanged, it only settles: the rows'
+        bounds and the floor are in the workspace, and the scan is not run twice."""
+        index = self.index
+        self._resume = (token, index._generation, index._writes)
+
+    def replay_and_wait(self, stream: Any, token: int = 0) -> bool:
         """:meth:`replay` on ``stream`` (torch's current stream, as there), then wait for it:
         launched and waited for through the driver (:func:`kalos.gpu.driver.graph_launcher`),
         which saves torch's per-replay bookkeeping: at 1M x 128 on the H200, replay + sync
         87.3 µs against 92.2 with torch's. A prefiltered graph
-        runs the prefilter first, then settles its result when it is not proven.
+        runs the prefilter first, then settles its result when it is not proven; for request
+        ``token`` after :meth:`prefiltered` said so, it only settles.
 
         Returns whether the answer is the proven prefilter's: with ``publish``, the kernel has
         then stored the sequence number (the full scan never does)."""
         index = self.index
         prefilter = self.prefilter and index._n >= index.prefilter_min_rows
+        resume = (
+            prefilter
+            and token != 0
+            and self._resume == (token, index._generation, index._writes)
+            and self._settles()
+        )
+        self._resume = None
         self._ensure(prefilter)
+        if resume:
+            index.prefilter_searches += 1
+            self.fallbacks += 1
+            index.prefilter_fallbacks += 1
+            if self._graphs:
+                self._launcher(stream, 2)()
+            else:
+                self._run_settle()
+            self._settled()
+            return False
         if not self._graphs:  # the interpreter: runs synchronously
             if prefilter:
                 index.prefilter_searches += 1
@@ -1486,28 +1520,33 @@ class SearchGraph:
                     return False
             self._run()
             return False
+        if prefilter:
+            index.prefilter_searches += 1
+            self._launcher(stream, 1)()
+            if self._status_np[0] == 1:
+                return True
+            self.fallbacks += 1
+            index.prefilter_fallbacks += 1
+            if len(self._graphs) > 2:
+                self._launcher(stream, 2)()
+                self._settled()
+                return False
+        self._launcher(stream, 0)()
+        return False
+
+    def _launcher(self, stream: Any, which: int) -> Any:
+        """The driver's launcher of graph ``which`` (full scan, prefilter, settle)."""
         if not self._launchers:
             from kalos.gpu import driver
 
+            index = self.index
             self._launchers = [
                 driver.graph_launcher(
                     g.raw_cuda_graph_exec(), stream.cuda_stream, index.device.index
                 )
                 for g in self._graphs
             ]
-        if prefilter:
-            index.prefilter_searches += 1
-            self._launchers[1]()
-            if self._status_np[0] == 1:
-                return True
-            self.fallbacks += 1
-            index.prefilter_fallbacks += 1
-            if len(self._launchers) > 2:
-                self._launchers[2]()
-                self._settled()
-                return False
-        self._launchers[0]()
-        return False
+        return self._launchers[which]
 
     def _settled(self) -> None:
         rows = int(self._status_np[1])  # the settle pass's candidates

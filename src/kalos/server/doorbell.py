@@ -14,8 +14,10 @@ the sidecar validated last (its *template*):
 
 Then it copies the query and the request's sequence number to the device, writes the response
 header, and the graph's scan runs and publishes the response: no CPU between the client's
-store and the scan. Anything else it *declines*, and its scan does nothing (its gate stays
-closed); the sidecar serves that request as any other. The sidecar's CPU is off the request's
+store and the scan. A search the scan cannot prove the sidecar answers, settling it from the
+rows' bounds the scan left (``SearchGraph.prefiltered``): the scan does not run twice.
+Anything else it *declines*, and its scan does nothing (its gate stays closed); the sidecar
+serves that request as any other. The sidecar's CPU is off the request's
 path; it keeps the books afterwards (:meth:`Doorbell.answer`), launching the next armed graph
 as soon as the GPU has taken a request, so that it runs right after the scan.
 
@@ -428,7 +430,7 @@ class Doorbell:
         if launch is None:  # the interpreter: the search has run
             if _load(resp_seq) != seq:
                 self._stop(graph)
-                return self._outcome(False)
+                return self._unproven(pinned, graph, seq)
             self._launch(seq)
             return self._outcome(True)
         # The next armed graph goes on the stream now, behind this one's scan, so that it
@@ -436,9 +438,17 @@ class Doorbell:
         self._launch(seq)
         while _load(resp_seq) != seq:
             if launch.done(previous=True) and _load(resp_seq) != seq:
-                self.settle()  # unproven: the sidecar answers it, on an idle stream
-                return self._outcome(False)
+                self.settle()  # the next armed graph cancelled: the stream is idle
+                return self._unproven(pinned, graph, seq)
         return self._outcome(True)
+
+    def _unproven(self, pinned: PinnedArena, graph: ArmedGraph, seq: int) -> bool:
+        """Request ``seq`` on ``pinned``, taken and scanned, was not proven: the sidecar
+        answers it, and its search graph only settles from the bounds the scan left (unless
+        the cancelled next armed graph took another request meanwhile)."""
+        if pinned not in self.claims:
+            graph.graph.prefiltered(seq)
+        return self._outcome(False)
 
     def _outcome(self, published: bool) -> bool:
         if published:

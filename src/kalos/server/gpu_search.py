@@ -297,9 +297,11 @@ class PinnedArena:
         """Runs one of this channel's search graphs (``graph.replay_and_wait(stream)``),
         whose response body is ``body_len`` bytes. When the graph publishes (its
         ``publish`` is set), first :meth:`announce`; afterwards :attr:`published` says
-        whether the kernel stored the armed request's sequence number."""
+        whether the kernel stored the armed request's sequence number. A request the
+        doorbell's graph scanned without proving it only settles (SearchGraph.prefiltered)."""
+        token = self._seq
         armed = graph.publish is not None and self.announce(body_len, seq_slot)
-        self.published = graph.replay_and_wait(stream) and armed
+        self.published = graph.replay_and_wait(stream, token) and armed
         if self.published:
             self.last_graph = graph  # type: ignore[assignment]
 
