@@ -31,14 +31,14 @@ N = PREFILTER_MIN_ROWS + 50_000  # above it after the removes below
 K = 10
 
 
-def _loaded(name: str, *extra: str):
+def _loaded(name: str, *extra: str, dim: int = DIM):
     rng = np.random.default_rng(17)
-    base = rng.standard_normal((N, DIM)).astype(np.float32)
+    base = rng.standard_normal((N, dim)).astype(np.float32)
     ids = np.arange(N, dtype=np.int64) * 3 + 1
     args = ("--device", "cuda", "--reserve", str(N), *extra)
-    with isolated_sidecar(dim=DIM, name=name, extra_args=args) as sc:
+    with isolated_sidecar(dim=dim, name=name, extra_args=args) as sc:
         loader = sc.connect(arena_bytes=64 << 20, timeout=120)
-        step = 200_000
+        step = 200_000 * DIM // dim  # ~51 MB a chunk
         for lo in range(0, N, step):
             loader.add(base[lo : lo + step], ids[lo : lo + step])
         loader.close()
@@ -55,6 +55,13 @@ def big_sidecar():
 def doorbell_sidecar():
     """The same rows served with the GPU doorbell (server.doorbell), the default."""
     yield from _loaded("gpu-doorbell")
+
+
+@pytest.fixture(scope="module")
+def cascade_sidecar():
+    """384-d rows, served by the 4-bit cascade (the default from 257 to 512 dims) with the
+    GPU doorbell on."""
+    yield from _loaded("gpu-doorbell-4bit", dim=384)
 
 
 def check(
@@ -205,3 +212,30 @@ def test_clients_racing_on_two_channels(doorbell_sidecar):
     for t in threads:
         t.join(300)
     assert not errors, errors[0]
+
+
+def test_the_gpu_picks_up_the_cascades_searches(cascade_sidecar):
+    """The cascade's exact pass publishes every search, so the doorbell takes each next one:
+    random queries and stored rows (whose near neighbours leave rows open), then a remove
+    between, every answer exact."""
+    sc, db, ids = cascade_sidecar
+    rng = np.random.default_rng(31)
+    qs = rng.standard_normal((200, 384)).astype(np.float32)
+    qs[::4] = db[torch.from_numpy(rng.integers(0, N, 50)).cuda()].float().cpu().numpy()
+    with sc.connect(spin_us=1000, timeout=120) as client:
+        client.search(qs[0], K, payloads=False)
+        before = doorbell(client)
+        got = [client.search(q, K, payloads=False, copy=True) for q in qs]
+        gone = [int(got[0].ids[0])]
+        assert client.remove(np.array(gone)) == 1
+        later = [client.search(q, K, payloads=False, copy=True) for q in qs[:20]]
+        after = doorbell(client)
+        row = torch.tensor([(gone[0] - 1) // 3]).cuda()
+        client.add(db[row].float().cpu().numpy(), np.array(gone, dtype=np.int64))
+    for q, r in zip(qs, got, strict=True):
+        check(db, ids, q, r.ids, r.scores)
+    for q, r in zip(qs[:20], later, strict=True):
+        check(db, ids, q, r.ids, r.scores, gone)
+    answered = after["gpu_doorbell_answered"] - before["gpu_doorbell_answered"]
+    assert answered >= 190, (before, after)
+    assert after["gpu_doorbell_failed"] is None

@@ -103,15 +103,17 @@ class Served:
 
 
 @pytest.fixture
-def served(monkeypatch):
+def served(monkeypatch, request):
+    """The int8 prefilter's rows (DIM); ``param`` 272: the 4-bit cascade's (fp16 rows)."""
+    dim = getattr(request, "param", DIM)
     registered: list[int] = []
     monkeypatch.setattr(driver, "host_register", lambda ptr, n: registered.append(ptr))
     monkeypatch.setattr(driver, "host_unregister", lambda ptr: registered.remove(ptr))
     monkeypatch.setattr(driver, "ensure_context", lambda device: None)
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **kw: self)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **kw: None)
-    x, ids, base = unprovable_rows(np.random.default_rng(5), DIM)
-    index = make_index("ip", "fp32", DIM, "cpu")
+    x, ids, base = unprovable_rows(np.random.default_rng(5), dim)
+    index = make_index("ip", "fp32" if dim == DIM else "fp16", dim, "cpu")
     index.prefilter_min_rows = 0
     memories = MemoryStore(index)
     none = np.zeros(0, np.uint8)
@@ -148,11 +150,11 @@ def served(monkeypatch):
         assert gpu.doorbell.armed is None
 
 
-def query(seed: int, dtype=np.float32) -> np.ndarray:
+def query(seed: int, dtype=np.float32, dim: int = DIM) -> np.ndarray:
     """A random query the prefilter proves: pointing away from ``base``, so that the 150
     near-copies of it (acme's first rows) are not among its best."""
-    q = np.random.default_rng(seed).standard_normal(DIM).astype(np.float32)
-    base = unprovable_rows(np.random.default_rng(5), DIM)[2]
+    q = np.random.default_rng(seed).standard_normal(dim).astype(np.float32)
+    base = unprovable_rows(np.random.default_rng(5), dim)[2]
     return (-q if q @ base > 0 else q).astype(dtype)
 
 
@@ -174,6 +176,40 @@ def test_the_gpu_takes_the_next_search_of_the_same_shape(served):
     assert [c[:3] for c in calls] == [(Op.SEARCH, Status.OK, c[2]) for c in calls]
     assert all(c[2] == 0 for c in calls[1:])  # no queue: the GPU took them
     assert served.dispatcher.requests[Op.SEARCH] == 1  # the dispatcher saw the first only
+
+
+@pytest.mark.parametrize("served", [272], indirect=True, ids=["4bit-cascade"])
+def test_the_gpu_takes_the_cascades_searches_too(served):
+    # the 4-bit cascade settles every search in its graph, so its exact pass publishes each
+    # one: behind the doorbell, even the near-copies' query (which leaves rows open)
+    dim = served.x.shape[1]
+    assert served.memories.index.scan == "4bit"
+    q = query(1, dim=dim)
+    status, flags, _, scores, got = served.search(q)
+    assert (status, flags) == (Status.OK, PUBLISHED)
+    served.check(q, scores, got, 1)
+    for q in (query(2, dim=dim), served.base, query(3, np.float16, dim)):
+        status, flags, _, scores, got = served.search(q)
+        # a query of another wire type is declined once, then armed for (PUBLISHED)
+        assert status == Status.OK and flags in (DOORBELL, PUBLISHED)
+        served.check(q.astype(np.float32), scores, got, 1)
+    assert served.door.answered == 2 and served.door.declined == 1
+    # a write between: settled first, then served by the sidecar and armed again
+    body = np.zeros(1 << 16, np.uint8)
+    row = query(4, dim=dim) * 50  # scores far above every other row
+    n = M.encode_add(body, np.array([10_000]), row[None], np.zeros(1, np.uint8), [b""],
+                     M.encode_scope_fields(ACME))  # fmt: skip
+    status, *_ = served.dispatcher.handle(Op.ADD, 0, body[:n], np.zeros(4096, np.uint8))
+    assert status == Status.OK and served.door.armed is None
+    served.x = np.concatenate([served.x, row[None]])
+    served.ids = np.concatenate([served.ids, [10_000]])
+    served.scopes = np.concatenate([served.scopes, [[1, 0, 0]]])
+    for seed in (4, 5):
+        q = query(seed, dim=dim)
+        status, flags, _, scores, got = served.search(q)
+        assert status == Status.OK
+        served.check(q, scores, got, 1)
+    assert flags == DOORBELL and 10_000 in got.ravel().tolist()
 
 
 @pytest.mark.parametrize(

@@ -1193,7 +1193,7 @@ class CudaFlatIndex:
             nonlocal launches
             wnq = ws_nq or nq
             if prefilter and self.scan == "4bit":
-                run4(k, scoped)
+                run4(k, scoped, publishing, gating)
                 return
             if prefilter:
                 kept = self._keep(k)
@@ -1235,7 +1235,7 @@ class CudaFlatIndex:
                         scratch.__dict__.pop("_programs", None)
                     launches += 1
 
-        def run4(k: int, scoped: bool) -> None:
+        def run4(k: int, scoped: bool, publishing: bool, gating: bool) -> None:
             # the 4-bit cascade: its bounds pass and its exact pass each take a program count
             # of their own (_workspace4), so every class of each, paired up
             nonlocal launches
@@ -1258,8 +1258,10 @@ class CudaFlatIndex:
                     scratch.__dict__.pop("_programs", None)
                 scores = torch.empty((1, k), dtype=torch.float32, device=dev)
                 ids = torch.empty((1, k), dtype=torch.int64, device=dev)
-                scratch._launch(queries[:1], k, scope if scoped else scratch._no_filter, scoped,
-                                scores, ids, ws, status)  # fmt: skip
+                scratch._launch(
+                    queries[:1], k, scope if scoped else scratch._no_filter, scoped, scores, ids,
+                    ws, status, (seq, dest) if publishing else None, gate if gating else None,
+                )  # fmt: skip
                 launches += 1
 
         ks = [kern.key_width(1) << i for i in range(int(math.log2(_MAX_K)))]  # 2 .. 1024
@@ -1273,7 +1275,7 @@ class CudaFlatIndex:
                 for k in ks:
                     if self.prefilter_ok(1, k):
                         run(1, k, scoped, prefilter=True)
-                        if publishing and self.scan == "int8":  # (the cascade's do not publish)
+                        if publishing:
                             run(1, k, scoped, prefilter=True, publishing=True)
                             if gated:
                                 run(1, k, scoped, True, True, gating=True)
@@ -1356,12 +1358,9 @@ class SearchGraph:
         self.prefilter = bool(prefilter) and index.prefilter_ok(nq, self.k)
         self.fallbacks = 0  # prefiltered searches not proven (settled in a second graph)
         self.settled_rows = 0  # the rows the last of them scored exactly
-        # the prefilter stores a sequence number once proven (see the class doc)
-        # (the 4-bit cascade's last pass can publish too, but the doorbell has not been measured
-        # with it: its graphs are answered through the poller)
-        self.publish = (
-            publish if self.prefilter and index.scan == "int8" and index._k.publish_ok() else None
-        )
+        # the prefilter (or the 4-bit cascade's exact pass) stores a sequence number once
+        # proven (see the class doc)
+        self.publish = publish if self.prefilter and index._k.publish_ok() else None
         dev = index.device
 
         def buffer(given: Any, shape: tuple[int, ...], dtype: Any) -> Any:
