@@ -194,6 +194,8 @@ class ShmTransport(Transport):
         first = timeout_ns if timeout_ns < LIVENESS_SLICE_NS else LIVENESS_SLICE_NS
         spins = self._spins
         spin = self._spin_ns if spins is None else spins.get(op, self._spin_ns)
+        if self.parks and (spins is None or op in self._rtt):
+            spin = 0  # (AsyncClient, many calls in flight) an op slower than the base spin
         if not _wait_seq(self._resp_seq, seq, self._client_parked, self._client_bell, spin, first):
             self._wait_slow(seq, deadline)
         status, _flags, n, queue_ns, compute_ns, write_ns = _unpack_response(buf, _RESP_STATUS)
