@@ -204,7 +204,7 @@ class CudaFlatIndex:
         self._n = 0
         self._cap = 0
         self._generation = 0  # bumped whenever storage moves (graphs recapture)
-        self._writes = 0  # bumped by every add, remove and reset (SearchGraph.resume_settle)
+        self._writes = 0  # bumped by every add, remove and reset (SearchGraph.prefiltered)
         self._row_ids = np.empty(0, dtype=np.int64)  # host mirror of ids[:cap]
         self._map: dict[int, int] | None = {}  # id -> row; None = rebuild from _row_ids
         self._sorted: Any = None  # (live ids sorted, their rows) on the device; None: stale
@@ -1495,42 +1495,28 @@ class SearchGraph:
         )
         self._resume = None
         self._ensure(prefilter)
-        if resume:
-            index.prefilter_searches += 1
-            self.fallbacks += 1
-            index.prefilter_fallbacks += 1
+
+        def run(which: int) -> None:  # 0 the full scan, 1 the prefilter, 2 the settle
             if self._graphs:
-                self._launcher(stream, 2)()
-            else:
+                self._launcher(stream, which)()
+            elif which == 2:  # the interpreter: runs synchronously
                 self._run_settle()
-            self._settled()
-            return False
-        if not self._graphs:  # the interpreter: runs synchronously
-            if prefilter:
-                index.prefilter_searches += 1
-                self._run(True)
-                if self._status_np[0] == 1:
-                    return True
-                self.fallbacks += 1
-                index.prefilter_fallbacks += 1
-                if self._settles():
-                    self._run_settle()
-                    self._settled()
-                    return False
-            self._run()
-            return False
+            else:
+                self._run(which == 1)
+
         if prefilter:
             index.prefilter_searches += 1
-            self._launcher(stream, 1)()
-            if self._status_np[0] == 1:
-                return True
+            if not resume:
+                run(1)
+                if self._status_np[0] == 1:
+                    return True
             self.fallbacks += 1
             index.prefilter_fallbacks += 1
-            if len(self._graphs) > 2:
-                self._launcher(stream, 2)()
+            if self._settles():
+                run(2)
                 self._settled()
                 return False
-        self._launcher(stream, 0)()
+        run(0)
         return False
 
     def _launcher(self, stream: Any, which: int) -> Any:
