@@ -214,6 +214,37 @@ def test_clients_racing_on_two_channels(doorbell_sidecar):
     assert not errors, errors[0]
 
 
+def test_searches_the_scan_cannot_prove_settle_on_the_gpu(doorbell_sidecar):
+    """Near-copies of one direction, closer together than the int8 bound: the armed scan
+    cannot prove a search along it, and the settle behind it in the same graph (gated on the
+    scan's verdict) answers and publishes it; random queries between are proven. Every
+    answer exact; the rows are removed afterwards."""
+    sc, db, ids = doorbell_sidecar
+    rng = np.random.default_rng(43)
+    base = rng.standard_normal(DIM).astype(np.float32)
+    near = base + 1e-3 * rng.standard_normal((150, DIM)).astype(np.float32)
+    near_ids = np.arange(N, N + 150, dtype=np.int64) * 3 + 1  # rows N.. of the reference
+    rows = torch.cat([db, torch.from_numpy(near).cuda().half()])
+    qs = base + 0.01 * rng.standard_normal((100, DIM)).astype(np.float32)
+    qs[::2] = rng.standard_normal((50, DIM)).astype(np.float32)
+    with sc.connect(spin_us=1000, timeout=120) as client:
+        client.add(near, near_ids)
+        try:
+            client.search(qs[1], K, payloads=False)  # the sidecar's, then armed
+            before = doorbell(client)
+            got = [client.search(q, K, payloads=False, copy=True) for q in qs]
+            after = doorbell(client)
+        finally:
+            assert client.remove(near_ids) == len(near_ids)
+    for q, r in zip(qs, got, strict=True):
+        check(rows, ids, q, r.ids, r.scores)
+    d = {k: v - before[k] for k, v in after.items() if isinstance(v, int)}
+    assert d["gpu_doorbell_settled"] >= 40, (before, after)
+    assert d["gpu_doorbell_settled_rows"] >= K * d["gpu_doorbell_settled"]
+    assert d["gpu_doorbell_unproven"] == 0 and d["gpu_doorbell_answered"] >= 90, (before, after)
+    assert after["gpu_doorbell_failed"] is None
+
+
 def test_the_gpu_picks_up_the_cascades_searches(cascade_sidecar):
     """The cascade's exact pass publishes every search, so the doorbell takes each next one:
     random queries and stored rows (whose near neighbours leave rows open), then a remove

@@ -25,7 +25,7 @@ from cuda_reference import (
     unprovable_rows,
 )
 from kalos.errors import ConfigError, InvalidRequest, NotFound
-from kalos.index.cuda_flat import parse_spec
+from kalos.index.cuda_flat import SearchGraph, parse_spec
 
 
 def test_parse_spec():
@@ -537,43 +537,43 @@ def test_an_unproven_prefilter_search_settles_from_its_bounds():
     assert g.fallbacks == 0 and (idx.prefilter_searches, idx.prefilter_fallbacks) == (2, 1)
 
 
-def test_a_search_prefiltered_outside_the_graph_only_settles(monkeypatch):
-    # the doorbell's armed graph runs the prefilter's pass itself; when it cannot prove the
-    # search, the sidecar's replay for that request settles from the bounds it left, without
-    # scanning again, unless the index changed or the request is another one
+def test_a_gated_prefilter_search_settles_behind_its_scan_and_publishes():
+    # the doorbell's armed graph queues the prefilter's pass behind a gate, and the settle
+    # behind that, gated on the scan's verdict: a closed gate runs nothing, a proven search
+    # does not settle, an unproven one settles, is exact and stores its sequence number
     dim = 64
     x, ids, base = unprovable_rows(np.random.default_rng(5), dim)
     idx = make_index("ip", "fp32", dim, "cpu")
     idx.add(x, ids)
     idx.prefilter_min_rows = 0
-    scans: list[int] = []
-    launch = idx._launch
-    monkeypatch.setattr(idx, "_launch", lambda *a, **kw: (scans.append(1), launch(*a, **kw)))
-    g = idx.graph(1, 10, prefilter=True)
-    g.query.copy_(torch.from_numpy(base[None]))
+    seq, dest = torch.tensor([41], dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    g = SearchGraph(idx, 1, 10, False, prefilter=True, publish=(seq, dest))
+    q = np.random.default_rng(6).standard_normal((1, dim)).astype(np.float32)
+    g.query.copy_(torch.from_numpy(q))
+    assert g.replay_and_wait(None) and int(dest[0]) == 41  # proven: the prefilter's workspace
+    gate, settle_gate = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    tally = torch.zeros(2, dtype=torch.int64)
 
-    def prefiltered(token: int) -> None:
-        g._ensure(True)
-        g._run(True)  # as the armed graph does: the prefilter's pass alone
-        assert g._status_np[0] == 0
-        g.prefiltered(token)
-
-    def replay(token: int) -> int:
-        scans.clear()
+    def queued(query: np.ndarray, open_: bool, s: int) -> None:
+        g.query.copy_(torch.from_numpy(query))
         g.scores.fill_(0)
-        assert not g.replay_and_wait(None, token)
-        check_result(idx, x, ids, None, base[None], 10, g.scores.numpy(), g.ids.numpy())
-        return len(scans)
+        gate[0], seq[0] = int(open_), s
+        g.queue_gated(gate, settle_gate, tally)
 
-    prefiltered(7)
-    assert replay(7) == 0 and g.settled_rows >= 10  # settled only, and exact
-    assert (idx.prefilter_searches, idx.prefilter_fallbacks) == (1, 1)
-    assert replay(7) == 1  # once: the next replay scans
-    prefiltered(8)
-    assert replay(9) == 1  # another request's replay scans
-    prefiltered(10)
-    idx.add(x[:1], ids[:1])  # a write in between (an upsert of the same row)
-    assert replay(10) == 1
+    queued(base[None], False, 42)  # closed: nothing ran, nothing stored
+    assert int(dest[0]) == 41 and float(g.scores.abs().sum()) == 0 and tally.tolist() == [0, 0]
+    queued(q, True, 43)  # proven by the scan: published, not settled
+    assert int(dest[0]) == 43 and int(settle_gate[0]) == 0 and tally.tolist() == [0, 0]
+    check_result(idx, x, ids, None, q, 10, g.scores.numpy(), g.ids.numpy())
+    queued(base[None], True, 44)  # unproven: settled behind the scan, then published
+    assert int(dest[0]) == 44 and int(settle_gate[0]) == 1
+    check_result(idx, x, ids, None, base[None], 10, g.scores.numpy(), g.ids.numpy())
+    assert tally[0] == 1 and 10 <= tally[1] < 400
+    ws = g._ws[1]
+    assert int(ws["count"][0]) == 0 and int(ws["emit_ticket"][0]) == 0  # reset for the next
+    queued(q, True, 45)  # and the next proven one is unaffected
+    assert int(dest[0]) == 45 and tally[0] == 1
+    check_result(idx, x, ids, None, q, 10, g.scores.numpy(), g.ids.numpy())
 
 
 def test_the_settle_floor_is_the_reranked_kth_exact_score():
@@ -623,12 +623,11 @@ def test_settling_with_ties_duplicates_and_a_scope(metric):
     assert idx.prefilter_fallbacks >= 1 and idx.prefilter_settled_rows > 0
 
 
-def test_prefilter_publishes_the_sequence_only_when_proven():
-    from kalos.index.cuda_flat import SearchGraph
-
+def test_prefilter_publishes_the_sequence_once_proven_or_settled():
     # publish=(seq, dest): a proven prefilter search stores seq into dest (the response's
-    # sequence word of a channel, on a GPU), the results already written; an unproven one,
-    # and the full scan it replays, leave dest alone (the sidecar publishes then)
+    # sequence word of a channel, on a GPU), the results already written, and so does the
+    # settle of an unproven one; the full scan (below prefilter_min_rows) leaves dest alone
+    # (the sidecar publishes then)
     rng = np.random.default_rng(8)
     dim = 64
     x, ids, base = unprovable_rows(rng, dim)
@@ -647,10 +646,17 @@ def test_prefilter_publishes_the_sequence_only_when_proven():
         assert g.replay_and_wait(None) is True
         assert int(dest[0]) == i and not (g.ids == -7).any()
         check_result(idx, x, ids, None, q[None], 10, g.scores.numpy(), g.ids.numpy())
-    seq[0] = 99  # the near-copies' direction: not proven, the full scan answers
+    seq[0] = 99  # the near-copies' direction: not proven, its settle answers
     g.query.copy_(torch.from_numpy(base[None]))
+    g.ids.fill_(-7)
+    assert g.replay_and_wait(None) is True
+    assert int(dest[0]) == 99 and g.fallbacks == 1 and g.settled_rows >= 10
+    check_result(idx, x, ids, None, base[None], 10, g.scores.numpy(), g.ids.numpy())
+    idx.prefilter_min_rows = len(x) + 1  # the full scan answers
+    seq[0] = 100
+    g.ids.fill_(-7)
     assert g.replay_and_wait(None) is False
-    assert int(dest[0]) == 42 and g.fallbacks == 1
+    assert int(dest[0]) == 99 and not (g.ids == -7).any()
     check_result(idx, x, ids, None, base[None], 10, g.scores.numpy(), g.ids.numpy())
     # a graph without the prefilter has nothing to publish with; the full scan refuses it
     assert SearchGraph(idx, 1, 10, False, publish=(seq, dest)).publish is None

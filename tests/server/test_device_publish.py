@@ -201,7 +201,7 @@ def test_a_parked_client_is_woken_after_the_sync(served):
     check_result(dispatcher.index, served.x, served.ids, None, q[None], K, scores, got)
 
 
-def test_an_unproven_search_is_published_by_the_sidecar(served):
+def test_an_unproven_search_is_published_by_its_settle(served):
     ch, dispatcher, poller, ctrl = served.ch, served.dispatcher, served.poller, served.ctrl
     q = np.random.default_rng(1).standard_normal(DIM).astype(np.float32)
     send(ch, ctrl, 1, q)  # proven: the kernel publishes
@@ -209,21 +209,22 @@ def test_an_unproven_search_is_published_by_the_sidecar(served):
     dispatcher.sync.set()
     served_count(ch, 1)
     dispatcher.sync.clear()
-    # the near-copies' direction: the prefilter cannot prove it, the full scan answers, and
-    # the response waits for the sidecar, with the full compute time and no flag
+    dispatcher.returned.clear()
+    # the near-copies' direction: the prefilter cannot prove it; the settle scores every row
+    # its bound leaves open and publishes, before the sidecar's stream sync returns
     base = served.base
     send(ch, ctrl, 2, base)
-    time.sleep(0.2)
-    assert _native.load_acquire(ch.resp_seq) == 1
-    dispatcher.sync.set()
     assert wait(ch, 2, spin_ns=int(WAIT * 1e9))
-    status, flags, n, _, compute_ns, _ = header(ch)
-    assert (status, flags) == (Status.OK, 0)
-    assert compute_ns == dispatcher.compute_ns
-    assert dispatcher.graph is not None and dispatcher.graph.fallbacks == 1
-    assert poller.device_published == 1  # the first request's
+    assert not dispatcher.returned.is_set()
+    status, flags, n, _, _, _ = header(ch)
+    assert (status, flags) == (Status.OK, ResponseFlag.DEVICE_PUBLISHED)
     scores, got = results(ch, n)
     check_result(dispatcher.index, served.x, served.ids, None, base[None], K, scores, got)
+    dispatcher.sync.set()
+    served_count(ch, 2)
+    assert dispatcher.graph is not None and dispatcher.graph.fallbacks == 1
+    assert dispatcher.graph.settled_rows >= K
+    assert poller.device_published == 2
 
 
 def test_a_search_outside_the_poller_publishes_nothing(served):

@@ -248,7 +248,7 @@ def test_a_request_unlike_the_template_is_served_by_the_sidecar(served, change):
     served.check(q3.astype(np.float32), scores, got, code, k=k)
 
 
-def test_an_unproven_search_the_gpu_took_is_answered_by_the_sidecar(served, monkeypatch):
+def test_an_unproven_search_the_gpu_took_settles_on_the_gpu(served, monkeypatch):
     served.search(query(10))
     index = served.memories.index
     scans: list[bool] = []  # each scan's gate: None when the sidecar launched it
@@ -256,16 +256,22 @@ def test_an_unproven_search_the_gpu_took_is_answered_by_the_sidecar(served, monk
     monkeypatch.setattr(
         index, "_launch", lambda *a, **kw: (scans.append(a[-1] is None), launch(*a, **kw))
     )
-    status, flags, _, scores, got = served.search(served.base)
-    assert (status, flags) == (Status.OK, 0)  # settled, and published by the poller
+    status, flags, timings, scores, got = served.search(served.base)
+    # the armed graph's scan, then its settle behind it, gated on the scan's verdict: the
+    # GPU answered, with no sidecar stage
+    assert (status, flags, timings) == (Status.OK, DOORBELL, (0, 0, 0))
     served.check(served.base, scores, got, 1)
-    assert served.door.unproven == 1 and served.door.armed is None
-    # the armed graph's scan alone: the sidecar settled from its bounds, without a scan
-    assert scans == [False] and index.prefilter_settled_rows > 0
-    status, flags, _, scores, got = served.search(query(11))
-    assert flags == PUBLISHED  # the sidecar's path, then armed again
-    status, flags, _, scores, got = served.search(query(12))
-    assert flags == DOORBELL
+    assert scans == [False] and served.door.unproven == 0 and served.door.answered == 1
+    stats = served.door.stats()
+    assert stats["gpu_doorbell_settled"] == 1 and stats["gpu_doorbell_settled_rows"] >= K
+    assert served.door.armed is served.channels[0].pinned  # armed again at once
+    for seed in (11, 12):  # proven ones after it: the GPU's, and not settled
+        q = query(seed)
+        status, flags, _, scores, got = served.search(q)
+        assert flags == DOORBELL
+        served.check(q, scores, got, 1)
+    assert served.door.stats()["gpu_doorbell_settled"] == 1
+    assert served.dispatcher.requests[Op.SEARCH] == 1  # the dispatcher saw the first only
 
 
 def test_a_write_cancels_the_armed_search_and_is_seen_by_the_next(served):
@@ -609,13 +615,12 @@ def test_repeats_idle_gaps_clients_and_writes_with_the_gpu_on_its_own(streamed):
     # goes through the poller
     assert flags_seen[0] == PUBLISHED and flags_seen[1] == DOORBELL
     assert flags_seen.count(DOORBELL) >= 6, flags_seen
-    # a request the GPU takes but cannot prove: the poller sees the scan end without the
-    # publish (the launch's event), cancels the next armed graph and runs the full scan
-    s.door.arm_np[1] = 10**11  # no budget to end the next armed graph: only the cancel does
+    # a request the GPU takes but cannot prove: it settles behind the scan, and publishes
     flags, scores, got = call(s, 0, s.base)
     s.check(s.base, scores, got, 1)
-    assert flags == 0 and s.door.unproven == 1
-    flags, scores, got = call(s, 0, query(98))  # through the poller (then armed again)
+    assert flags == DOORBELL and s.door.stats()["gpu_doorbell_settled"] == 1
+    flags_seen.append(flags)
+    flags, scores, got = call(s, 0, query(98))
     flags_seen.append(flags)
     s.door.arm_np[1] = 5_000_000  # 5 ms, taken by the armed graph the next answer launches
     q = query(99)
@@ -668,8 +673,8 @@ def test_repeats_idle_gaps_clients_and_writes_with_the_gpu_on_its_own(streamed):
     for t in threads:
         t.join(600)
     assert not errors, errors[0]
-    assert len(flags_seen) == 12 + 1 + 1 + 1 + 20 + 12
-    total = len(flags_seen) + 1  # and the unproven one
+    assert len(flags_seen) == 12 + 2 + 1 + 1 + 20 + 12
+    total = len(flags_seen)
     assert set(flags_seen) <= {PUBLISHED, DOORBELL}
     assert s.door.answered == flags_seen.count(DOORBELL)
     assert s.channels[0].requests + s.channels[1].requests == total

@@ -105,6 +105,7 @@ def _timed_host(
     for key, name in (
         ("gpu_published", "gpu_published"),
         ("gpu_doorbell_answered", "gpu_doorbell"),
+        ("gpu_doorbell_settled", "gpu_doorbell_settled"),
     ):
         stages[name] = after.get(key, 0) - before.get(key, 0)
     return {"samples": samples, "wall": wall}, stages
@@ -201,7 +202,8 @@ def _run_size(args: argparse.Namespace, torch: Any, corpus: corpora.Corpus, bw: 
 
         def run_graph(i: int) -> None:
             pre.query.copy_(q_gpu[i % len(q_gpu)][None])
-            if not pre.replay_and_wait(stream) and pre.fallbacks > len(settled):
+            pre.replay_and_wait(stream)
+            if pre.fallbacks > len(settled):
                 settled.append(pre.settled_rows)
 
         for i in range(50):

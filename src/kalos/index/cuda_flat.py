@@ -204,7 +204,6 @@ class CudaFlatIndex:
         self._n = 0
         self._cap = 0
         self._generation = 0  # bumped whenever storage moves (graphs recapture)
-        self._writes = 0  # bumped by every add, remove and reset (SearchGraph.prefiltered)
         self._row_ids = np.empty(0, dtype=np.int64)  # host mirror of ids[:cap]
         self._map: dict[int, int] | None = {}  # id -> row; None = rebuild from _row_ids
         self._sorted: Any = None  # (live ids sorted, their rows) on the device; None: stale
@@ -339,7 +338,6 @@ class CudaFlatIndex:
         storage), or id -1 (reserved).
         """
         torch = self._torch
-        self._writes += 1
         x = self._vectors_in(vectors, "vectors")
         n_in = x.shape[0]
         id_arr = _ids_in(ids, n_in)
@@ -435,7 +433,6 @@ class CudaFlatIndex:
     def remove(self, ids: Any) -> int:
         """Remove ``ids``; returns how many were present. The last rows fill the holes."""
         torch = self._torch
-        self._writes += 1
         arr = np.unique(_to_numpy(ids).astype(np.int64, copy=False).reshape(-1))
         if self._n == 0 or arr.size == 0:
             return 0
@@ -470,7 +467,6 @@ class CudaFlatIndex:
 
     def reset(self) -> None:
         """Drop every item; the storage (and captured graphs) stay."""
-        self._writes += 1
         self._map = {}
         self._sorted = None
         self._row_ids[: self._n] = -1
@@ -887,13 +883,15 @@ class CudaFlatIndex:
         )  # fmt: skip
 
     def _launch_settle(self, q: Any, k: int, filt: Any, scores: Any, ids: Any,
-                       ws: dict[str, Any], status: Any) -> None:  # fmt: skip
+                       ws: dict[str, Any], status: Any, publish: Any = None,
+                       gate: Any = None) -> None:  # fmt: skip
         # an unproven int8 prefilter search (its workspace ws, just run): every row whose
         # bound reaches the floor, however many, scored exactly (the cascade's last two
-        # launches, kernels.codes4's module doc); the scope filter is in the bounds already
+        # launches, kernels.codes4's module doc); the scope filter is in the bounds already.
+        # publish: as _launch's; gate: as _launch's, for both launches
         kern = self._k
         self._c4.emit(ws["upper"], self._n_dev, ws["floor"], ws["count"], ws["rows"],
-                      ws["emit_ticket"], k=k, replicas=1)  # fmt: skip
+                      ws["emit_ticket"], k=k, replicas=1, gate=gate)  # fmt: skip
         ex = ws.get("exact")
         if ex is None:  # its own program count, as a single query's scan
             ex = ws["exact"] = self._workspace(1, k, private=True)
@@ -901,6 +899,7 @@ class CudaFlatIndex:
             self._vecs, self._sq, self._scopes, filt, q, ws["count"], ex["state"], ex["cand"],
             k=k, metric=self._metric_code, scoped=False, programs=ex["programs"], cfg=ex["cfg"],
             final=(ex["ticket"], self._ids, scores, ids), cands=(ws["rows"], status),
+            publish=publish, gate=gate,
         )  # fmt: skip
 
     def _launch(
@@ -1161,6 +1160,10 @@ class CudaFlatIndex:
             status, dest = status.pin_memory(), dest.pin_memory()
         seq = torch.ones(1, dtype=torch.int64, device=dev)
         gate = torch.zeros(1, dtype=torch.int32, device=dev)  # closed: compiled, scans nothing
+        settle_gate = torch.zeros(1, dtype=torch.int32, device=dev)  # closed too
+        tally = torch.zeros(2, dtype=torch.int64)  # the doorbell's settles, in host memory
+        if on_gpu:
+            tally = tally.pin_memory()
         launches = 0
 
         def programs_at(cfg: Any, kept: int, cap: int) -> int:
@@ -1222,15 +1225,21 @@ class CudaFlatIndex:
                     gate if gating else None,
                 )  # fmt: skip
                 launches += 1
-            if prefilter and not publishing and "floor" in ws:
+            if prefilter and "floor" in ws:
                 # an unproven search's settle: its emit, and its exact pass in each class of
-                # a single query's program count
+                # a single query's program count (publishing as its graph does; gated behind
+                # the doorbell's scan, SearchGraph.queue_gated, with the gate's own kernel)
+                if gating:
+                    self._c4.settle_gate(gate, status, settle_gate)
+                    self._c4.tally_settle(settle_gate, status, tally)
                 for p1 in program_classes(self._config(1, k), k, cap, False):
                     scratch._programs = lambda cfg, k, p1=p1: p1  # type: ignore[method-assign,misc]
                     try:
                         ws.pop("exact", None)
-                        scratch._launch_settle(queries[:1], k, scratch._no_filter, scores, ids,
-                                               ws, status)  # fmt: skip
+                        scratch._launch_settle(
+                            queries[:1], k, scratch._no_filter, scores, ids, ws, status,
+                            (seq, dest) if publishing else None, settle_gate if gating else None,
+                        )  # fmt: skip
                     finally:
                         scratch.__dict__.pop("_programs", None)
                     launches += 1
@@ -1321,13 +1330,14 @@ class SearchGraph:
     int8 bound reaches the k-th best exact score of the re-ranked rows, however many, is
     scored exactly (``settled_rows``: how many, the last time), instead of a full scan. The
     result is the full scan's, up to the order of exact ties. (The 4-bit cascade's graph
-    settles every search in one graph.)
+    settles every search in one graph.) :meth:`queue_gated` queues the prefilter and its
+    settle with no host in between: the settle's gate is the scan's own verdict.
 
     ``publish`` (with ``prefilter``): (seq [1] int64 on the device, dest [1] int64 in host
-    memory registered for the GPU). A proven prefilter search then stores seq into dest once
-    its results are visible to the host (:func:`kernels.scan_topk`): a response's sequence
-    word, so that the client reads the response before this process has seen the stream end.
-    :meth:`replay_and_wait` says whether that happened.
+    memory registered for the GPU). A proven prefilter search, or its settle, then stores seq
+    into dest once its results are visible to the host (:func:`kernels.scan_topk`): a
+    response's sequence word, so that the client reads the response before this process has
+    seen the stream end. :meth:`replay_and_wait` says whether that happened.
 
     The graph reads the live count from the device, so adds and removes that fit the current
     capacity need nothing; when the index reallocates its storage, the next replay recaptures
@@ -1381,9 +1391,6 @@ class SearchGraph:
         self._graphs: list[Any] = []  # [full scan, prefilter, settle] CUDA graphs (GPU only)
         self._launchers: list[Any] = []  # replay_and_wait's driver launchers of them
         self._generation = -1
-        # (request token, index generation, index writes) of a prefilter run outside
-        # replay_and_wait and not proven (prefiltered): that request settles without it
-        self._resume: tuple[int, int, int] | None = None
         self._capture()
 
     @property
@@ -1407,10 +1414,26 @@ class SearchGraph:
             self.publish if prefilter else None, gate,
         )  # fmt: skip
 
-    def _run_settle(self) -> None:
+    def _run_settle(self, gate: Any = None) -> None:
         filt = self.scope if self.scope_active else self.index._no_filter
         self.index._launch_settle(self.query, self.k, filt, self.scores, self.ids, self._ws[1],
-                                  self._status)  # fmt: skip
+                                  self._status, self.publish, gate)  # fmt: skip
+
+    def queue_gated(self, gate: Any, settle_gate: Any, tally: Any) -> None:
+        """Queues the prefilter's pass on the current stream behind a gate, as the doorbell's
+        armed graph does (server.doorbell): ``gate`` ([1] int32 on the device) 0 makes it do
+        nothing. Where an unproven search settles from its bounds (the int8 prefilter), that
+        settle follows, gated on the scan's verdict (``settle_gate``, [1] int32 on the device,
+        set by kernels.codes4.settle_gate), and publishes: no host between the scan and the
+        settle. Each such settle adds 1 and its rows scored exactly to ``tally`` ([2]
+        int64). The 4-bit cascade settles every search in its own pass. The prefilter's
+        workspace must exist (the graph has run :meth:`replay_and_wait` with it)."""
+        self._run(True, gate=gate)
+        if self._settles():
+            c4 = self.index._c4
+            c4.settle_gate(gate, self._status, settle_gate)
+            self._run_settle(settle_gate)
+            c4.tally_settle(settle_gate, self._status, tally)
 
     def _settles(self) -> bool:
         """Whether an unproven prefilter search settles from its bounds (the int8 prefilter's
@@ -1466,34 +1489,18 @@ class SearchGraph:
         else:
             self._graphs[0].replay()
 
-    def prefiltered(self, token: int) -> None:
-        """The prefilter's pass has just run on this graph's query and workspace outside
-        :meth:`replay_and_wait` (the doorbell's armed graph, server.doorbell) for request
-        ``token`` (non-zero), and did not prove it. If ``replay_and_wait(stream, token)``
-        follows for the same request, with the index unchanged, it only settles: the rows'
-        bounds and the floor are in the workspace, and the scan is not run twice."""
-        index = self.index
-        self._resume = (token, index._generation, index._writes)
-
-    def replay_and_wait(self, stream: Any, token: int = 0) -> bool:
+    def replay_and_wait(self, stream: Any) -> bool:
         """:meth:`replay` on ``stream`` (torch's current stream, as there), then wait for it:
         launched and waited for through the driver (:func:`kalos.gpu.driver.graph_launcher`),
         which saves torch's per-replay bookkeeping: at 1M x 128 on the H200, replay + sync
         87.3 µs against 92.2 with torch's. A prefiltered graph
-        runs the prefilter first, then settles its result when it is not proven; for request
-        ``token`` after :meth:`prefiltered` said so, it only settles.
+        runs the prefilter first, then settles its result when it is not proven.
 
-        Returns whether the answer is the proven prefilter's: with ``publish``, the kernel has
-        then stored the sequence number (the full scan never does)."""
+        Returns whether the answer is the prefilter's, proven or settled from its bounds:
+        with ``publish``, the kernel has then stored the sequence number (the full scan never
+        does)."""
         index = self.index
         prefilter = self.prefilter and index._n >= index.prefilter_min_rows
-        resume = (
-            prefilter
-            and token != 0
-            and self._resume == (token, index._generation, index._writes)
-            and self._settles()
-        )
-        self._resume = None
         self._ensure(prefilter)
 
         def run(which: int) -> None:  # 0 the full scan, 1 the prefilter, 2 the settle
@@ -1506,16 +1513,15 @@ class SearchGraph:
 
         if prefilter:
             index.prefilter_searches += 1
-            if not resume:
-                run(1)
-                if self._status_np[0] == 1:
-                    return True
+            run(1)
+            if self._status_np[0] == 1:
+                return True
             self.fallbacks += 1
             index.prefilter_fallbacks += 1
             if self._settles():
                 run(2)
                 self._settled()
-                return False
+                return True
         run(0)
         return False
 

@@ -14,10 +14,11 @@ the sidecar validated last (its *template*):
 
 Then it copies the query and the request's sequence number to the device, writes the response
 header, and the graph's scan runs and publishes the response: no CPU between the client's
-store and the scan. A search the scan cannot prove the sidecar answers, settling it from the
-rows' bounds the scan left (``SearchGraph.prefiltered``): the scan does not run twice.
-Anything else it *declines*, and its scan does nothing (its gate stays closed); the sidecar
-serves that request as any other. The sidecar's CPU is off the request's
+store and the scan. A search the int8 prefilter's scan cannot prove settles behind it in the
+same graph, from the rows' bounds the scan left, gated on the scan's verdict
+(``SearchGraph.queue_gated``), and publishes too; the 4-bit cascade settles every search in
+its own pass. Anything else it *declines*, and its scan does nothing (its gate stays closed);
+the sidecar serves that request as any other. The sidecar's CPU is off the request's
 path; it keeps the books afterwards (:meth:`Doorbell.answer`), launching the next armed graph
 as soon as the GPU has taken a request, so that it runs right after the scan.
 
@@ -242,7 +243,7 @@ class ArmedGraph:
         door = self._door
         door.arm_dev.copy_(door.arm_host, non_blocking=True)
         _doorbell_kernel[(1,)](*self._args, **self._meta, num_warps=1)
-        self.graph._run(True, gate=door.gate)
+        self.graph.queue_gated(door.gate, door.settle_gate, door.tally)
 
     def _capture(self) -> None:
         import torch
@@ -303,6 +304,13 @@ class Doorbell:
         self.arm_dev = torch.zeros(words, dtype=torch.int64, device=device)
         self.template_dev = self.arm_dev[_ARM_WORDS:].view(torch.uint8)
         self.gate = torch.zeros(1, dtype=torch.int32, device=device)
+        # the gate of the settle behind an unproven scan, and what those settles did: how
+        # many, and their rows scored exactly (pinned: read by stats())
+        self.settle_gate = torch.zeros(1, dtype=torch.int32, device=device)
+        self.tally = torch.zeros(2, dtype=torch.int64)
+        if on_gpu:
+            self.tally = self.tally.pin_memory()
+        self._tally_np = self.tally.numpy()
         self.arm_np[_BUDGET] = int(budget_us * 1000)
         self.armed: PinnedArena | None = None  # the channel whose next request the GPU may take
         self._graph: ArmedGraph | None = None
@@ -316,7 +324,9 @@ class Doorbell:
         self.unbooked: list[int] = []
         self.answered = 0  # requests the GPU took and answered
         self.declined = 0
-        self.unproven = 0  # taken, but the prefilter could not prove them: the sidecar answered
+        # taken, but not answered on the GPU (a graph that cannot settle behind its scan):
+        # the sidecar answered
+        self.unproven = 0
         self.expired = 0  # budgets run out (re-armed)
         self.failed: str | None = None  # why no graph could be armed: every request then
         # goes through the poller, as without a doorbell
@@ -430,7 +440,7 @@ class Doorbell:
         if launch is None:  # the interpreter: the search has run
             if _load(resp_seq) != seq:
                 self._stop(graph)
-                return self._unproven(pinned, graph, seq)
+                return self._outcome(False)
             self._launch(seq)
             return self._outcome(True)
         # The next armed graph goes on the stream now, behind this one's scan, so that it
@@ -439,16 +449,8 @@ class Doorbell:
         while _load(resp_seq) != seq:
             if launch.done(previous=True) and _load(resp_seq) != seq:
                 self.settle()  # the next armed graph cancelled: the stream is idle
-                return self._unproven(pinned, graph, seq)
+                return self._outcome(False)
         return self._outcome(True)
-
-    def _unproven(self, pinned: PinnedArena, graph: ArmedGraph, seq: int) -> bool:
-        """Request ``seq`` on ``pinned``, taken and scanned, was not proven: the sidecar
-        answers it, and its search graph only settles from the bounds the scan left (unless
-        the cancelled next armed graph took another request meanwhile)."""
-        if pinned not in self.claims:
-            graph.graph.prefiltered(seq)
-        return self._outcome(False)
 
     def _outcome(self, published: bool) -> bool:
         if published:
@@ -549,6 +551,8 @@ class Doorbell:
             "gpu_doorbell_answered": self.answered,
             "gpu_doorbell_declined": self.declined,
             "gpu_doorbell_unproven": self.unproven,
+            "gpu_doorbell_settled": int(self._tally_np[0]),
+            "gpu_doorbell_settled_rows": int(self._tally_np[1]),
             "gpu_doorbell_expired": self.expired,
             "gpu_doorbell_failed": self.failed,
         }

@@ -20,8 +20,8 @@ query; once the kernel has proven its result it makes the results visible to the
 stores that number into the channel's response sequence word. The client reads the answer
 then, while the sidecar is still waiting for the stream; afterwards the poller only wakes a
 parked client (see :meth:`PinnedArena.announce`). An unproven search settles in a second
-graph (every row its bound leaves open, scored exactly: SearchGraph), and the poller
-publishes as for any other request.
+graph (every row its bound leaves open, scored exactly: SearchGraph), which publishes the
+same way.
 """
 
 from __future__ import annotations
@@ -297,11 +297,9 @@ class PinnedArena:
         """Runs one of this channel's search graphs (``graph.replay_and_wait(stream)``),
         whose response body is ``body_len`` bytes. When the graph publishes (its
         ``publish`` is set), first :meth:`announce`; afterwards :attr:`published` says
-        whether the kernel stored the armed request's sequence number. A request the
-        doorbell's graph scanned without proving it only settles (SearchGraph.prefiltered)."""
-        token = self._seq
+        whether the kernel stored the armed request's sequence number."""
         armed = graph.publish is not None and self.announce(body_len, seq_slot)
-        self.published = graph.replay_and_wait(stream, token) and armed
+        self.published = graph.replay_and_wait(stream) and armed
         if self.published:
             self.last_graph = graph  # type: ignore[assignment]
 

@@ -305,4 +305,34 @@ def emit(upper: Any, n_dev: Any, state: Any, count: Any, rows: Any, ticket: Any,
     )  # fmt: skip
 
 
-__all__ = ["CHUNK", "choose_config", "chunks", "emit", "encode", "padded_dim", "prep", "rotation"]
+@triton.jit
+def _settle_gate_kernel(gate_ptr, status_ptr, open_ptr, tally_ptr, TALLY: tl.constexpr):
+    # one program: open = gate open and the int8 prefilter's verdict (status[0]) unproven;
+    # TALLY: after the settle it opened, count it and its candidates (status[1]) in tally
+    if TALLY:
+        if tl.load(open_ptr) != 0:
+            tl.store(tally_ptr, tl.load(tally_ptr) + 1)
+            tl.store(tally_ptr + 1, tl.load(tally_ptr + 1) + tl.load(status_ptr + 1).to(tl.int64))
+    else:
+        go = tl.load(gate_ptr) != 0
+        tl.store(open_ptr, (go & (tl.load(status_ptr) == 0)).to(tl.int32))
+
+
+def settle_gate(gate: Any, status: Any, open_: Any) -> None:
+    """After an int8 prefilter's scan gated on ``gate`` ([1] int32 on the device): ``open_``
+    ([1] int32 on the device) becomes 1 where the gate was open and the scan's verdict
+    (``status[0]``, [2] int32, pinned host memory on a GPU) says unproven, else 0: the gate of
+    the settle that follows it on the stream (the doorbell's armed graph, server.doorbell)."""
+    launch(_settle_gate_kernel, (1,), gate, status, open_, open_, TALLY=False, num_warps=1)
+
+
+def tally_settle(open_: Any, status: Any, tally: Any) -> None:
+    """After the settle gated on ``open_`` (:func:`settle_gate`): where it ran, adds 1 and its
+    candidates scored exactly (``status[1]``) to ``tally`` ([2] int64)."""
+    launch(_settle_gate_kernel, (1,), open_, status, open_, tally, TALLY=True, num_warps=1)
+
+
+__all__ = [
+    "CHUNK", "choose_config", "chunks", "emit", "encode", "padded_dim", "prep", "rotation",
+    "settle_gate", "tally_settle",
+]  # fmt: skip
