@@ -168,3 +168,36 @@ def test_the_bounds_dot_without_ptx_is_the_byte_dot():
     """The bounds pass's four-byte dot in plain integer ops (where there is no PTX: the
     interpreter) against numpy; tests/gpu/test_codes4_gpu.py holds PTX's dp4a to the same."""
     check_dp4a("cpu", ptx=False)
+
+
+@pytest.mark.parametrize("programs", [1, 3, 64])
+def test_emit_lists_every_live_row_whose_bound_reaches_the_floor(programs):
+    # the emit's programs stride over the live rows' blocks (fewer programs than blocks:
+    # each takes several; more: some take none), below the capacity; the last one resets
+    # the state; a closed gate lists nothing and keeps the state
+    rng = np.random.default_rng(programs)
+    cap, n, k = 5 * 1024 + 300, 4 * 1024 + 77, 10
+    upper = torch.from_numpy(rng.standard_normal(cap).astype(np.float32))
+    upper[rng.integers(0, n, 40)] = float("-inf")  # rows filtered out: never listed
+    floor = 0.8
+    key = np.array([floor], np.float32).view(np.int32).astype(np.int64)[0] << 32
+    gw = codes4.key_width(k)
+    thr = torch.tensor([key], dtype=torch.int64)
+    none = codes4.KEY_NONE
+    slots = torch.full((1, gw), none, dtype=torch.int64)
+    count = torch.zeros(1, dtype=torch.int32)
+    rows = torch.zeros(cap, dtype=torch.int32)
+    ticket = torch.zeros(1, dtype=torch.int32)
+    n_dev = torch.tensor([n], dtype=torch.int32)
+    gate = torch.zeros(1, dtype=torch.int32)
+    codes4.emit(upper, n_dev, (thr, slots), count, rows, ticket, k=k, replicas=1,
+                programs=programs, gate=gate)  # fmt: skip
+    assert int(count[0]) == 0 and int(thr[0]) == key
+    gate[0] = 1
+    codes4.emit(upper, n_dev, (thr, slots), count, rows, ticket, k=k, replicas=1,
+                programs=programs, gate=gate)  # fmt: skip
+    u = upper.numpy()[:n]
+    want = np.flatnonzero((u >= floor) & np.isfinite(u))
+    got = np.sort(rows.numpy()[: int(count[0])])
+    np.testing.assert_array_equal(got, want)
+    assert int(thr[0]) == none and int(ticket[0]) == 0

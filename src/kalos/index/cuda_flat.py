@@ -738,6 +738,11 @@ class CudaFlatIndex:
             programs = min(programs, max(self._sms, tiles // 8))
         return max(1, min(tiles, programs))
 
+    def _emit_programs(self) -> int:
+        """The emit's programs (kernels.codes4.emit): 8 an SM (1M rows: about one block of
+        rows each, on an H100 or H200); under the interpreter 8, each looping over blocks."""
+        return 8 * self._sms
+
     def _keep(self, k: int) -> int:
         return self.prefilter_keep or self._k.prefilter_candidates(k)
 
@@ -873,7 +878,8 @@ class CudaFlatIndex:
             gate=gate, bounds4=(self._codes, self._meta, ws["upper"], ws["qc"], ws["qf"]),
         )  # fmt: skip
         c4.emit(ws["upper"], self._n_dev, ws["state"], ws["count"], ws["rows"],
-                ws["emit_ticket"], k=k, replicas=cfg.bound_replicas, gate=gate)  # fmt: skip
+                ws["emit_ticket"], k=k, replicas=cfg.bound_replicas,
+                programs=self._emit_programs(), gate=gate)  # fmt: skip
         ex = ws["exact"]
         kern.scan_topk(
             self._vecs, self._sq, self._scopes, filt, q, ws["count"], ex["state"], ex["cand"],
@@ -891,7 +897,8 @@ class CudaFlatIndex:
         # publish: as _launch's; gate: as _launch's, for both launches
         kern = self._k
         self._c4.emit(ws["upper"], self._n_dev, ws["floor"], ws["count"], ws["rows"],
-                      ws["emit_ticket"], k=k, replicas=1, gate=gate)  # fmt: skip
+                      ws["emit_ticket"], k=k, replicas=1, programs=self._emit_programs(),
+                      gate=gate)  # fmt: skip
         ex = ws.get("exact")
         if ex is None:  # its own program count, as a single query's scan
             ex = ws["exact"] = self._workspace(1, k, private=True)

@@ -220,7 +220,9 @@ def _emit_kernel(
     REPL: tl.constexpr,
     GATED: tl.constexpr,
 ):
-    # grid: (cdiv(cap, BLOCK),): covers the capacity, so a captured graph stays valid
+    # grid: (programs,), each program taking every programs-th block of BLOCK rows up to the
+    # live count (a grid that does not grow with the capacity: behind a closed gate, as in
+    # the doorbell's armed graph, the launch costs little even at 10M rows)
     pid = tl.program_id(0)
     go = 1
     if GATED:
@@ -235,15 +237,16 @@ def _emit_kernel(
         hi_bits = (bound >> 32).to(tl.int32)
         bits = tl.where(hi_bits >= 0, hi_bits, hi_bits ^ 0x7FFFFFFF)
         floor = tl.where(bound == _KEY_NONE, float("-inf"), bits.to(tl.float32, bitcast=True))
-        rows = pid * BLOCK + tl.arange(0, BLOCK)
-        m = rows < n
-        up = tl.load(up_ptr + rows, mask=m, other=float("-inf"))
-        live = (m & (up >= floor) & (up > float("-inf"))).to(tl.int32)
-        total = tl.sum(live, axis=0)
-        if total > 0:
-            base = tl.atomic_add(count_ptr, total, sem="relaxed")
-            pos = base + tl.cumsum(live, axis=0) - 1
-            tl.store(out_ptr + pos, rows, mask=live != 0)
+        for b in range(pid, tl.cdiv(n, BLOCK), tl.num_programs(0)):
+            rows = b * BLOCK + tl.arange(0, BLOCK)
+            m = rows < n
+            up = tl.load(up_ptr + rows, mask=m, other=float("-inf"))
+            live = (m & (up >= floor) & (up > float("-inf"))).to(tl.int32)
+            total = tl.sum(live, axis=0)
+            if total > 0:
+                base = tl.atomic_add(count_ptr, total, sem="relaxed")
+                pos = base + tl.cumsum(live, axis=0) - 1
+                tl.store(out_ptr + pos, rows, mask=live != 0)
         # every program has read the bound before its ticket: the last one resets it
         tl.debug_barrier()
         ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
@@ -292,12 +295,15 @@ def prep(q: Any, rot32: Any, mean32: Any, qc: Any, qf: Any, *, metric: int, gate
 
 
 def emit(upper: Any, n_dev: Any, state: Any, count: Any, rows: Any, ticket: Any, *, k: int,
-         replicas: int, gate: Any = None) -> None:  # fmt: skip
+         replicas: int, programs: int, gate: Any = None) -> None:  # fmt: skip
     """The candidates: rows whose upper bound reaches the bounds pass's bound, into ``rows``
-    from ``count`` on; resets the bounds pass's ``state`` (thr, slots)."""
+    from ``count`` on; resets the bounds pass's ``state`` (thr, slots). At most
+    ``programs`` programs (fewer where the capacity has fewer blocks of rows) share the
+    live rows' blocks."""
     cap = upper.shape[0]
     thr, slots = state[0], state[1]
-    launch(_emit_kernel, (triton.cdiv(cap, _EMIT_BLOCK),),
+    grid = max(1, min(triton.cdiv(cap, _EMIT_BLOCK), programs))
+    launch(_emit_kernel, (grid,),
         upper, n_dev, thr, slots, count, rows, ticket, n_dev if gate is None else gate,
         k, thr.shape[0] // replicas,
         GW=key_width(k), BLOCK=_EMIT_BLOCK, REPL=replicas, GATED=gate is not None,
