@@ -68,6 +68,8 @@ SYSTEMS = (
     "redis-faiss",
 )
 TORCH_BATCH = 64  # the in-process batched server's largest batch
+# The sidecar's stats of its batches that each row's sidecar_batches reads (_batch_row)
+BATCH_STATS = ("batches", "batched", "batch_ns", "batch_dispatch_ns", "batch_search_ns")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -573,7 +575,7 @@ def _run(args: argparse.Namespace) -> int:
         system: str,
         layout: str,
         drive: Callable[[float, int], tuple[list[float], int, float, float]],
-        batches: Callable[[], tuple[int, int]] | None = None,
+        batches: Callable[[], tuple[int, ...]] | None = None,
     ) -> None:
         """The closed loop, then each offered rate; ``batches``: the sidecar's (batches of two
         or more, searches in them) so far, for each row's ``sidecar_batches``."""
@@ -639,9 +641,9 @@ def _run(args: argparse.Namespace) -> int:
                 fleet = ClientFleet(tgt, data, 1 if layout == "asyncio" else args.processes,
                                     asyncio_mode=layout == "asyncio")  # fmt: skip
 
-                def batches(loader: Any = loader) -> tuple[int, int]:
+                def batches(loader: Any = loader) -> tuple[int, ...]:
                     stats = loader.stats()
-                    return int(stats.get("batches", 0)), int(stats.get("batched", 0))
+                    return (*(int(stats.get(key, 0)) for key in BATCH_STATS), time.monotonic_ns())
 
                 try:
                     # the poller's batches: shm channels only (grpc batches among its threads)
@@ -729,16 +731,25 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _batch_row(
-    row: dict[str, Any], before: Any, after: tuple[int, int], searches: int
-) -> tuple[int, int]:
-    """Adds to ``row`` the sidecar's batches over its run (``before`` and ``after``: batches of
-    two or more and the searches in them, so far): how many, their mean size and the share of
-    the run's ``searches`` they answered. Returns ``after``."""
-    n, members = after[0] - before[0], after[1] - before[1]
+    row: dict[str, Any], before: Any, after: tuple[int, ...], searches: int
+) -> tuple[int, ...]:
+    """Adds to ``row`` the sidecar's batches over its run (``before`` and ``after``: its
+    BATCH_STATS so far, then the clock): how many, their mean size and the share of the run's
+    ``searches`` they answered; the mean time of a batch from its pickup to its last reply
+    (``mean_us``), of which in the pass over the index (``search_us``) and in the dispatcher
+    around it (``dispatch_us``, the decoding and encoding of its members), the rest the
+    poller's; and the share of the wall time the poller spent in batches (``busy_share``: near
+    1, the poller's one thread is the bound). Returns ``after``."""
+    n, members, total, dispatch, search, now = (a - b for a, b in zip(after, before, strict=True))
+    per = 1e-3 / n if n else 0.0
     row["sidecar_batches"] = {
         "batches": n,
         "mean_batch": round(members / n, 2) if n else 0.0,
         "batched_share": round(members / searches, 3) if searches else 0.0,
+        "mean_us": round(total * per, 1),
+        "search_us": round(search * per, 1),
+        "dispatch_us": round((dispatch - search) * per, 1),
+        "busy_share": round(total / now, 3) if now else 0.0,
     }
     return after
 

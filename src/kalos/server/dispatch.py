@@ -132,6 +132,7 @@ class Dispatcher:
         self.reader: Any = None  # the requesting channel, when it maps the token heap (handle)
         self.now_ns = 0  # wall-clock time of the request being handled (see handle)
         self.errors = 0
+        self.batch_search_ns = 0  # handle_batch's passes over the index, in all
         self._extra_stats = extra_stats
         self._ops: dict[int, Callable[[int, np.ndarray, np.ndarray], tuple[int, int]]] = {
             Op.PING: self._ping,
@@ -250,6 +251,7 @@ class Dispatcher:
             [(q, k, scope) for _, _, q, k, scope, _ in jobs], nprobes=[p for *_, p in jobs]
         )
         search_ns = _monotonic_ns() - t1
+        self.batch_search_ns += search_ns
         for (i, finish, *_), hit in zip(jobs, hits, strict=True):
             out = members[i][3]
             try:

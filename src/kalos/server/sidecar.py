@@ -296,6 +296,10 @@ class Sidecar:
             "batches": self.poller.batches,  # of two or more searches (server.channels)
             "batched": self.poller.batched,
             "largest_batch": self.poller.largest_batch,
+            # those batches' time: pickup to last reply; in the dispatcher; in the search pass
+            "batch_ns": self.poller.batch_ns,
+            "batch_dispatch_ns": self.poller.batch_dispatch_ns,
+            "batch_search_ns": self.dispatcher.batch_search_ns,
             # uds and grpc requests' batches (server.combiner)
             "thread_batches": self.combiner.batches if self.combiner is not None else 0,
             "thread_batched": self.combiner.batched if self.combiner is not None else 0,
