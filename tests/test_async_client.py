@@ -23,6 +23,7 @@ import pytest
 
 import kalos
 from conftest import TIMEOUT, stop_process
+from first_waits import record_first_waits
 from kalos.async_client import _Completions, _cuda_stream, _owned
 from kalos.errors import (
     ClosedError,
@@ -520,37 +521,20 @@ def test_results_from_many_threads_reach_the_loop_in_few_wake_ups() -> None:
     completions.hand_back(loop, None, True, 1)  # type: ignore[arg-type]  # nobody waits
 
 
-def test_channel_threads_park_at_once_while_more_calls_than_spinners_are_in_flight(
+def test_channel_threads_park_at_once_while_more_calls_than_spinners_wait(
     sidecar: Callable[..., RunningSidecar], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # spinning threads beyond the CPUs take them from the loop and the sidecar: with more
-    # calls in flight than the client's spinners, a channel thread waits parked from the start
+    # spinning threads beyond the CPUs take them from the loop and the sidecar: with more of
+    # the process's calls waiting than its spinners, a channel thread waits parked from the start
     from kalos.transport import shm
 
     running = sidecar(dim=DIM)
-    spins: list[int] = []  # each request's first wait (not the slow path's slices after it)
-    wait, slow = shm._wait_seq, shm.ShmTransport._wait_slow
-    slicing = threading.local()
-
-    def recording(seq: int, target: int, parked: int, bell: int, spin: int, timeout: int) -> bool:
-        if not getattr(slicing, "on", False):
-            spins.append(spin)
-        return wait(seq, target, parked, bell, spin, timeout)
-
-    def wait_slow(self: shm.ShmTransport, seq: int, deadline: int) -> None:
-        slicing.on = True
-        try:
-            slow(self, seq, deadline)
-        finally:
-            slicing.on = False
-
-    monkeypatch.setattr(shm, "_wait_seq", recording)
-    monkeypatch.setattr(shm.ShmTransport, "_wait_slow", wait_slow)
+    monkeypatch.setattr(shm, "SPINNERS", 2)
+    spins = record_first_waits(monkeypatch)
     q = np.ones(DIM, np.float32)
 
     async def main() -> tuple[list[int], list[int]]:
         async with connect(running, max_channels=16, spin_us=50.0) as c:
-            c._spinners = 2
             await c.add(q[None], np.arange(1))
             await asyncio.gather(*(c.ping() for _ in range(16)))  # every channel opened
             spins.clear()

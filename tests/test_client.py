@@ -15,6 +15,7 @@ import pytest
 
 import kalos
 from conftest import DIM, TIMEOUT, Backend
+from first_waits import record_first_waits
 from kalos import Scope
 from kalos.errors import ClosedError, ConfigError, InvalidRequest
 from kalos.testing import RunningSidecar
@@ -537,6 +538,55 @@ def test_a_channel_learns_a_spin_per_op_unless_told_one(sidecar) -> None:
             auto.search(np.ones(DIM), k=3)
         assert learning._rtt[Op.SEARCH] > SPIN_CAP * learning._spin_ns
         assert learning._spins[Op.SEARCH] == learning._spin_ns
+
+
+def test_callers_beyond_the_spinners_park_at_once(sidecar, monkeypatch) -> None:
+    """More of the process's calls waiting for a slow op than ``shm.SPINNERS``: the callers
+    beyond it park at once (their CPUs go to the sidecar and to the callers answered); alone,
+    or for a quick op the channel learned (a ping), a caller spins first."""
+    from kalos.transport import shm
+
+    monkeypatch.setattr(shm, "SPINNERS", 2)
+    spins = record_first_waits(monkeypatch)
+    sc = sidecar(dim=DIM)
+    q = np.ones(DIM, np.float32)
+    with sc.connect(spin_us=50) as told, sc.connect() as auto:
+        told.add(q[None], np.arange(1))
+        spins.clear()
+        for _ in range(3):
+            told.search(q, k=1)  # alone: spins first
+        assert spins == [50_000] * 3, spins
+        barrier = threading.Barrier(12)
+        errors: list[BaseException] = []
+
+        def crowd() -> None:
+            try:
+                for _ in range(4):
+                    barrier.wait(TIMEOUT)
+                    told.search(q, k=1)
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        spins.clear()
+        threads = [threading.Thread(target=crowd) for _ in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT)
+        assert not errors, errors[0]
+        assert len(spins) == 48 and spins.count(0) >= 12, spins
+        assert shm._waiting.value == 0  # every caller counted out
+        auto.ping()  # a learned channel: a ping is quick, it spins however many wait
+        channel = auto._channel(TIMEOUT)
+        channel._rtt.clear()  # what the first pings taught (a cold channel)
+        channel._spins.clear()
+        shm._fetch_add(shm._WAITING, 10)
+        try:
+            spins.clear()
+            auto.ping()
+            assert spins == [channel._spin_ns]
+        finally:
+            shm._fetch_add(shm._WAITING, 2**64 - 10)
 
 
 def test_client_options_as_keywords_or_one_object(sidecar: Callable[..., RunningSidecar]) -> None:

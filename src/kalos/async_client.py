@@ -7,12 +7,12 @@ results; awaiting one never blocks the event loop. ``await kalos.connect_async(n
 How: a pool of channel threads, each owning one channel of a private :class:`Client` (the
 sync client keeps one channel per thread). A call on the event loop queues a job; an idle
 channel thread (a new one while fewer than ``max_channels`` exist) runs the sync call, which
-spins and parks on its channel with the GIL released (parks at once while more calls are in
-flight than a quarter of the CPUs: spinning threads would take the CPUs that the loop and
-the sidecar need), copies any view out of the channel and hands the result back to the loop:
-one ``loop.call_soon_threadsafe`` (a wake-up of the loop) for all the results that arrive
-before the loop comes round to them. Beyond ``max_channels``
-calls in flight, calls queue (first in, first out) for the next free channel; the deadline of
+spins and parks on its channel with the GIL released (parks at once while more of the
+process's calls wait than a quarter of its CPUs, as every sync caller does:
+``kalos.transport.shm.SPINNERS``), copies any view out of the channel and hands the result
+back to the loop: one ``loop.call_soon_threadsafe`` (a wake-up of the loop) for all the
+results that arrive before the loop comes round to them. Beyond ``max_channels`` calls in
+flight, calls queue (first in, first out) for the next free channel; the deadline of
 a call counts from the moment it was awaited, queueing included.
 """
 
@@ -22,7 +22,6 @@ import asyncio
 import collections
 import contextvars
 import functools
-import os
 import queue
 import threading
 import time
@@ -313,10 +312,6 @@ class AsyncClient:
         self._client_lock = threading.Lock()
         self._closed = False
         self._in_flight = 0  # calls submitted and not yet back on the loop
-        # Up to this many calls in flight, a channel thread spins for its response before it
-        # parks; beyond, it parks at once, for the calls slower than the base spin (64 tasks
-        # searching on the 2-core VM: async-ci-2core.json, docs/PERFORMANCE.md)
-        self._spinners = max(1, (os.cpu_count() or 1) // 4)
         self._threads = _ChannelThreads(max_channels, weakref.WeakMethod(self._run))
         self._completions = _Completions(weakref.WeakMethod(self._done))
         weakref.finalize(self, self._threads.stop)
@@ -348,9 +343,6 @@ class AsyncClient:
             try:
                 client = self._sync_client()
                 client._local.timings = None
-                transport = client._thread_transport()
-                if transport is not None:  # (a read of the loop's count: a hint, not a lock)
-                    transport.parks = self._in_flight > self._spinners
                 if job.stream is None:
                     value = job.method(client, *job.args, timeout=job.left(), **job.kwargs)
                 else:

@@ -314,10 +314,6 @@ class Client:
                 self.reconnects += 1
         return new
 
-    def _thread_transport(self) -> Transport | None:
-        """This thread's channel if it has one (no handshake): AsyncClient sets its spin."""
-        return getattr(self._local, "transport", None)
-
     def _lent(self, timeout: float | None = None) -> Lent:
         """What this thread's channel (:meth:`_channel`) was lent at its handshake."""
         self._channel(timeout)

@@ -57,10 +57,6 @@ class Transport(abc.ABC):
         with it (``Client.record_stages``); nothing on the request path pays for it."""
         return 0
 
-    # True: a wait for a response that usually takes longer than the base spin parks at once
-    # instead of spinning first (shm; every wait, with a fixed spin_us), e.g. while its
-    # process has more calls waiting than CPUs to spin for them (AsyncClient sets it)
-    parks = False
     _closed = False  # closed by its owner (close())
     _broken = False  # lost its sidecar, or a request timed out: never carries another
 

@@ -13,6 +13,7 @@ its control segment says STOPPING, or when its heartbeat is older than ``hung_af
 
 from __future__ import annotations
 
+import ctypes
 import os
 import select
 import socket
@@ -46,10 +47,21 @@ GPU_SPIN_US = 200.0
 # (a request that waited in the sidecar's queue for a quarter of its round trip or more).
 SPIN_CAP = 4
 LOADED_NS = 10_000_000  # a round trip that queued in the sidecar counts as this long
+# Callers of this process that spin at once for a response slower than the base spin (the
+# ops a channel learned, or every op with a fixed spin): beyond SPINNERS, such a call parks at
+# once. Spinning callers beyond the CPUs only take them from the sidecar and from the callers
+# whose answers have come (64 threads or asyncio tasks searching on the 2-core VM:
+# async-ci-2core.json). The count is a native word, updated atomically without the GIL.
+SPINNERS = max(1, len(os.sched_getaffinity(0)) // 4)
+_waiting = ctypes.c_uint64(0)
+_WAITING = ctypes.addressof(_waiting)
+_LESS_ONE = 2**64 - 1  # fetch_add's delta for -1 (it wraps)
+os.register_at_fork(after_in_child=lambda: setattr(_waiting, "value", 0))  # no waiter there
 _monotonic_ns = time.monotonic_ns
 _publish = _native.publish
 _wait_seq = _native.wait_seq
 _load = _native.load_acquire
+_fetch_add = _native.fetch_add
 _DEADLINE = struct.Struct("<Q")
 # Bound once: module attribute lookups cost ~0.03 µs each on the request path.
 _pack_request = L.REQ_FIELDS.pack_into
@@ -193,11 +205,20 @@ class ShmTransport(Transport):
         self._sent_ns = now
         first = timeout_ns if timeout_ns < LIVENESS_SLICE_NS else LIVENESS_SLICE_NS
         spins = self._spins
-        spin = self._spin_ns if spins is None else spins.get(op, self._spin_ns)
-        if self.parks and (spins is None or op in self._rtt):
-            spin = 0  # (AsyncClient, many calls in flight) an op slower than the base spin
-        if not _wait_seq(self._resp_seq, seq, self._client_parked, self._client_bell, spin, first):
-            self._wait_slow(seq, deadline)
+        if spins is not None and op not in self._rtt:  # quick: spins, whoever else waits
+            if not _wait_seq(self._resp_seq, seq, self._client_parked, self._client_bell,
+                             self._spin_ns, first):  # fmt: skip
+                self._wait_slow(seq, deadline)
+        else:  # slower than the base spin: spins only within the process's SPINNERS
+            spin = self._spin_ns if spins is None else spins.get(op, self._spin_ns)
+            if _fetch_add(_WAITING, 1) >= SPINNERS:
+                spin = 0
+            try:
+                if not _wait_seq(self._resp_seq, seq, self._client_parked, self._client_bell,
+                                 spin, first):  # fmt: skip
+                    self._wait_slow(seq, deadline)
+            finally:
+                _fetch_add(_WAITING, _LESS_ONE)
         status, _flags, n, queue_ns, compute_ns, write_ns = _unpack_response(buf, _RESP_STATUS)
         if spins is not None:
             rtt = _monotonic_ns() - now
