@@ -52,7 +52,8 @@ LOADED_NS = 10_000_000  # a round trip that queued in the sidecar counts as this
 # once. Spinning callers beyond the CPUs only take them from the sidecar and from the callers
 # whose answers have come (64 threads or asyncio tasks searching on the 2-core VM:
 # async-ci-2core.json). The count is a native word, updated atomically without the GIL.
-SPINNERS = max(1, len(os.sched_getaffinity(0)) // 4)
+_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+SPINNERS = max(1, (_CPUS or 1) // 4)
 _waiting = ctypes.c_uint64(0)
 _WAITING = ctypes.addressof(_waiting)
 _LESS_ONE = 2**64 - 1  # fetch_add's delta for -1 (it wraps)
