@@ -5,8 +5,8 @@
  * Grace), and it cannot sleep on a futex. This module supplies exactly that and
  * nothing more: acquire/release loads and stores of 64-bit sequence words, a
  * fence, futex wait/wake, and the two halves of the channel handshake
- * (publish, and a spin-then-park wait with the GIL released). Everything else
- * in Kalos stays Python.
+ * (publish, and a spin-then-park wait with the GIL released), with a publish
+ * whose wake another thread makes. Everything else in Kalos stays Python.
  *
  * Addresses are raw virtual addresses passed as Python ints (no Py_buffer
  * acquisition: these calls sit on a ~2 µs round trip). Each word address must
@@ -492,6 +492,150 @@ wait_seq(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 }
 
 /* ------------------------------------------------------------------------ */
+/* Wakes off the publisher's thread: publish_deferred / wake_loop            */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * A FUTEX_WAKE of a parked peer costs its caller ~3-10 µs (a syscall and an
+ * interrupt to the peer's CPU). A sidecar answering a batch of 64 searches
+ * whose callers parked would spend that 64 times on its one thread. Instead it
+ * stores each sequence word (spinning peers see it at once), rings each
+ * parked peer's bell, and queues the bell's address on a ring; another thread
+ * (wake_loop, the GIL released for its whole life) issues the syscalls.
+ *
+ * The ring: u64 words, each field on its own cache line; one producer thread
+ * (publish_deferred), one consumer (wake_loop).
+ */
+#define RING_TAIL 0      /* bells queued (the producer's) */
+#define RING_HEAD 8      /* bells woken (the consumer's) */
+#define RING_PARKED 16   /* the consumer sleeps: the producer must wake it */
+#define RING_BELL 24     /* the consumer's futex word */
+#define RING_STOP 32     /* non-zero: the consumer returns once the ring is empty */
+#define RING_CAPACITY 40 /* slots, a power of two (set before either side runs) */
+#define RING_SLOTS 64    /* the first slot */
+
+static int
+as_ring(PyObject *obj, uint64_t **out)
+{
+    uint64_t cap;
+    if (as_word(obj, "ring_addr", out) < 0) {
+        return -1;
+    }
+    cap = (*out)[RING_CAPACITY];
+    if (cap == 0 || (cap & (cap - 1)) != 0) {
+        PyErr_SetString(PyExc_ValueError, "the ring's capacity must be a power of two");
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(publish_deferred_doc,
+"publish_deferred($module, seq_addr, value, parked_addr, bell_addr, ring_addr, /)\n--\n\n"
+"publish, with the wake left to wake_loop's thread: stores value at seq_addr\n"
+"(release); if the peer is parked, rings its bell and queues the bell's\n"
+"address on the ring at ring_addr (waking wake_loop if it sleeps, or making\n"
+"the wake here when the ring is full). Returns True if the peer was parked.\n\n"
+"One thread only may publish through a ring. wake_loop makes its syscall on\n"
+"the bell's address after this returns: a bell whose mapping has gone since\n"
+"costs it an EFAULT, nothing else.");
+
+static PyObject *
+publish_deferred(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t *seq, *parked, *bell, *ring, value, tail, head;
+    (void)module;
+    if (check_nargs("publish_deferred", nargs, 5) < 0 ||
+        as_word(args[0], "seq_addr", &seq) < 0 || as_u64(args[1], "value", &value) < 0 ||
+        as_word(args[2], "parked_addr", &parked) < 0 ||
+        as_word(args[3], "bell_addr", &bell) < 0 || as_ring(args[4], &ring) < 0) {
+        return NULL;
+    }
+    __atomic_store_n(seq, value, __ATOMIC_RELEASE);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST); /* as in publish */
+    if (__atomic_load_n(parked, __ATOMIC_ACQUIRE) == 0) {
+        Py_RETURN_FALSE;
+    }
+    __atomic_fetch_add(bell, 1, __ATOMIC_SEQ_CST);
+    tail = __atomic_load_n(ring + RING_TAIL, __ATOMIC_RELAXED);
+    head = __atomic_load_n(ring + RING_HEAD, __ATOMIC_ACQUIRE);
+    if (tail - head >= ring[RING_CAPACITY]) { /* full: this one wakes here */
+        if (futex_wake_raw(futex_word(bell), INT_MAX) < 0) {
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+        Py_RETURN_TRUE;
+    }
+    ring[RING_SLOTS + (tail & (ring[RING_CAPACITY] - 1))] = (uint64_t)(uintptr_t)bell;
+    __atomic_store_n(ring + RING_TAIL, tail + 1, __ATOMIC_RELEASE);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST); /* the tail before the consumer's flag */
+    if (__atomic_load_n(ring + RING_PARKED, __ATOMIC_ACQUIRE) != 0) {
+        __atomic_fetch_add(ring + RING_BELL, 1, __ATOMIC_SEQ_CST);
+        if (futex_wake_raw(futex_word(ring + RING_BELL), 1) < 0) {
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+    }
+    Py_RETURN_TRUE;
+}
+
+PyDoc_STRVAR(wake_loop_doc,
+"wake_loop($module, ring_addr, spin_ns, /)\n--\n\n"
+"The consumer of publish_deferred's ring: makes each queued bell's\n"
+"FUTEX_WAKE, in order, and advances the ring's head past it; with the ring\n"
+"empty, spins up to spin_ns, then sleeps until the producer queues another.\n"
+"Returns once the ring's stop word is non-zero and the ring is empty (the\n"
+"stopper stores the stop word, then rings the ring's bell). The GIL is\n"
+"released until it returns: run it on a thread of its own.");
+
+static PyObject *
+wake_loop(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t *ring, mask, head;
+    int64_t spin_ns;
+    (void)module;
+    if (check_nargs("wake_loop", nargs, 2) < 0 || as_ring(args[0], &ring) < 0 ||
+        as_i64(args[1], "spin_ns", &spin_ns) < 0) {
+        return NULL;
+    }
+    mask = ring[RING_CAPACITY] - 1;
+    Py_BEGIN_ALLOW_THREADS
+    head = __atomic_load_n(ring + RING_HEAD, __ATOMIC_RELAXED);
+    for (;;) {
+        uint64_t tail = __atomic_load_n(ring + RING_TAIL, __ATOMIC_ACQUIRE);
+        if (tail != head) {
+            uint64_t *bell = (uint64_t *)(uintptr_t)ring[RING_SLOTS + (head & mask)];
+            (void)futex_wake_raw(futex_word(bell), INT_MAX); /* EFAULT: its peer has gone */
+            __atomic_store_n(ring + RING_HEAD, ++head, __ATOMIC_RELEASE);
+            continue;
+        }
+        if (__atomic_load_n(ring + RING_STOP, __ATOMIC_ACQUIRE) != 0) {
+            break;
+        }
+        if (spin_ns > 0) {
+            int64_t end = deadline_after(now_ns(), spin_ns);
+            unsigned i = 1;
+            while (__atomic_load_n(ring + RING_TAIL, __ATOMIC_ACQUIRE) == head &&
+                   __atomic_load_n(ring + RING_STOP, __ATOMIC_ACQUIRE) == 0) {
+                cpu_relax();
+                if ((i++ & 63) == 0 && now_ns() >= end) {
+                    break;
+                }
+            }
+        }
+        { /* sleep: the Dekker handshake of wait_seq, on the tail and the stop word */
+            uint64_t b = __atomic_load_n(ring + RING_BELL, __ATOMIC_ACQUIRE);
+            __atomic_store_n(ring + RING_PARKED, 1, __ATOMIC_SEQ_CST);
+            __atomic_thread_fence(__ATOMIC_SEQ_CST);
+            if (__atomic_load_n(ring + RING_TAIL, __ATOMIC_ACQUIRE) == head &&
+                __atomic_load_n(ring + RING_STOP, __ATOMIC_ACQUIRE) == 0) {
+                (void)futex_wait_raw(futex_word(ring + RING_BELL), (uint32_t)b, -1);
+            }
+            __atomic_store_n(ring + RING_PARKED, 0, __ATOMIC_RELEASE);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------------ */
 /* Module                                                                    */
 /* ------------------------------------------------------------------------ */
 
@@ -508,6 +652,8 @@ static PyMethodDef native_methods[] = {
     FASTCALL(futex_wake),
     FASTCALL(publish),
     FASTCALL(wait_seq),
+    FASTCALL(publish_deferred),
+    FASTCALL(wake_loop),
     {NULL, NULL, 0, NULL},
 };
 
@@ -529,7 +675,8 @@ PyDoc_STRVAR(native_doc,
 "load_acquire / store_release / fetch_add / fence on u64 words, futex_wait /\n"
 "futex_wake on the low 32 bits of a u64 word, and publish / wait_seq, the two\n"
 "halves of a lost-wake-up-free handshake (spin, then park with the GIL\n"
-"released; the publisher makes a syscall only when the waiter is parked).\n\n"
+"released; the publisher makes a syscall only when the waiter is parked), and\n"
+"publish_deferred / wake_loop, a publish whose wake another thread makes.\n\n"
 "Addresses are raw virtual addresses as ints, e.g.\n"
 "ctypes.addressof(ctypes.c_char.from_buffer(mm)) + offset, 8-byte aligned and\n"
 "non-zero (ValueError otherwise); the caller keeps the mapping alive. Values\n"

@@ -149,6 +149,8 @@ def test_mixed_k_and_scopes_in_one_batch_each_exact(sidecar) -> None:  # type: i
     assert stats["batches"] >= 1 and stats["largest_batch"] >= 2, stats
     # the batches' time, pickup to last reply, holds the dispatcher's, which holds the search's
     assert stats["batch_ns"] >= stats["batch_dispatch_ns"] >= stats["batch_search_ns"] > 0
+    # callers that waited out their spin in the batch's 100 ms: woken by the waker's thread
+    assert 1 <= stats["batch_woken"] <= stats["batched"], stats
     assert stats["errors"] == 1
     m = scrape(admin_port(sc))  # the admin endpoint counts each member's response
     assert sample(m, "kalos_batches_total") == stats["batches"]

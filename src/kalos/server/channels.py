@@ -15,7 +15,9 @@ sweep finds waiting on different channels are answered together after it, with o
 over the index; each member is checked on its own (its body's size, its deadline) and its
 response written to its own channel. One found alone is served as any other request, so a
 lone caller pays one header read for it. With a batch delay the first member waits up to it
-for more, sweeping the channels. While one batch computes, the next gathers.
+for more, sweeping the channels. While one batch computes, the next gathers. The callers of a
+batch that parked while it ran are woken by another thread (server.waker): the poller only
+stores their sequence words.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from kalos.protocol import layout as L
 from kalos.protocol.codes import Op, Status
 from kalos.protocol.messages import encode_text
 from kalos.server.dispatch import GPU_OPS, batchable
+from kalos.server.waker import Waker
 from kalos.shm.memory import SharedMemory, create
 
 if TYPE_CHECKING:
@@ -132,6 +135,10 @@ class Poller:
         # that, inside the dispatcher's batch call (decode, search, encode; under the lock)
         self.batch_ns = 0
         self.batch_dispatch_ns = 0
+        # While run serves with batching on: the thread that wakes a batch's parked callers
+        # (server.waker); None: each reply wakes its own. How many it woke in earlier runs.
+        self._waker: Waker | None = None
+        self._woken_before = 0
         self._lock = lock
         self._journal = journal
         # Responses to logged writes awaiting their commit, in LSN order:
@@ -176,10 +183,27 @@ class Poller:
 
     def run(self) -> None:
         """The poll loop; returns once :meth:`stop` was called."""
+        batch = self._batch if self._handle_batch is not None else None
+        if batch is not None:
+            self._waker = Waker()
+        try:
+            self._run(batch)
+        finally:
+            if self._waker is not None:
+                self._waker.close()
+                self._woken_before += self._waker.deferred
+                self._waker = None
+
+    @property
+    def batch_woken(self) -> int:
+        """Batch members whose callers had parked, woken by the waker's thread."""
+        waker = self._waker
+        return self._woken_before + (waker.deferred if waker is not None else 0)
+
+    def _run(self, batch: list[tuple[ServerChannel, int]] | None) -> None:
         last_work = _monotonic_ns()
         next_beat = 0
         beats = 0
-        batch = self._batch if self._handle_batch is not None else None
         while not self.stopping:
             worked = False
             for ch in self.channels:
@@ -457,20 +481,22 @@ class Poller:
         self.batched += len(members)
         if len(members) > self.largest_batch:
             self.largest_batch = len(members)
+        publish = self._waker.publish if self._waker is not None else _publish
         for (ch, seq, op, queue_ns), (status, n, compute_ns, write_ns) in zip(
             served, results, strict=True
         ):
-            self._reply(ch, seq, op, status, n, queue_ns, compute_ns, write_ns)
+            self._reply(ch, seq, op, status, n, queue_ns, compute_ns, write_ns, publish)
         self.batch_ns += _monotonic_ns() - picked
 
     def _reply(
         self, ch: ServerChannel, seq: int, op: int, status: int, n: int, queue_ns: int,
-        compute_ns: int, write_ns: int,
+        compute_ns: int, write_ns: int, publish=_publish,
     ) -> None:  # fmt: skip
-        """Writes a response header and publishes request ``seq``'s response on ``ch``."""
+        """Writes a response header and publishes request ``seq``'s response on ``ch``
+        (``publish``: a batch's leaves the wake to the waker's thread)."""
         _pack_response(ch.buf, _RESP_STATUS, status, 0, n, queue_ns, compute_ns, write_ns)
         ch.last_seq = seq
-        _publish(ch.resp_seq, seq, ch.client_parked, ch.client_bell)
+        publish(ch.resp_seq, seq, ch.client_parked, ch.client_bell)
         ch.requests += 1
         metrics = self.metrics
         if metrics is not None:  # after the publish: the client is not kept waiting for it

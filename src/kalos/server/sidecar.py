@@ -300,6 +300,7 @@ class Sidecar:
             "batch_ns": self.poller.batch_ns,
             "batch_dispatch_ns": self.poller.batch_dispatch_ns,
             "batch_search_ns": self.dispatcher.batch_search_ns,
+            "batch_woken": self.poller.batch_woken,  # members whose callers parked (server.waker)
             # uds and grpc requests' batches (server.combiner)
             "thread_batches": self.combiner.batches if self.combiner is not None else 0,
             "thread_batched": self.combiner.batched if self.combiner is not None else 0,
