@@ -17,6 +17,7 @@ import pytest
 from cuda_reference import make_index
 from kalos import _native
 from kalos.gpu import driver
+from kalos.index.cuda_flat import SearchGraph
 from kalos.protocol import layout as L
 from kalos.protocol import messages as M
 from kalos.protocol.codes import Op, Status
@@ -32,8 +33,11 @@ DIM = 32
 N = 300
 
 
-def test_a_batch_on_the_gpu_is_each_search_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    # the CPU stands in for the GPU: no context, no page-locking, no stream
+def gpu_store(
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[GpuSearch, MemoryStore, dict, np.random.Generator]:
+    """A store on a cuda index searched through GpuSearch, the CPU standing in for the GPU
+    (no context, no page-locking, no stream): two tenants' rows, and their reference."""
     monkeypatch.setattr(driver, "ensure_context", lambda device: None)
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **kw: self)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **kw: None)
@@ -52,6 +56,11 @@ def test_a_batch_on_the_gpu_is_each_search_alone(monkeypatch: pytest.MonkeyPatch
                   M.Scope(t, None, None))  # fmt: skip
     codes = {t: store.scopes.filter(M.Scope(t, None, None)) for t in ("a", "b")}
     items = {int(i): (v, codes[t]) for i, v, t in zip(ids, vectors, tenants, strict=True)}
+    return gpu, store, items, rng
+
+
+def test_a_batch_on_the_gpu_is_each_search_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    gpu, store, items, rng = gpu_store(monkeypatch)
     q = rng.standard_normal((6, DIM)).astype(np.float16).astype(np.float32)
     members = [
         (q[0:1], 10, None),
@@ -71,6 +80,40 @@ def test_a_batch_on_the_gpu_is_each_search_alone(monkeypatch: pytest.MonkeyPatch
         check_search(hit, items, queries, k, "ip", filt, rtol=2e-3)
     # the shapes it used: batches of 4 (3 unscoped queries) and 2 (two scoped), k 10
     assert {(4, 10, False), (2, 10, True)} <= set(gpu._graphs)
+
+
+def test_a_batch_left_running_on_the_gpu_keeps_its_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last batched call runs on while the sidecar serves (GpuSearch.start); a search
+    made before its answers are taken first waits for it and keeps them."""
+    gpu, store, items, rng = gpu_store(monkeypatch)
+    waited: list[int] = []
+
+    def start(self, stream):  # type: ignore[no-untyped-def]
+        self._run()  # the interpreter's pass, here and now; its wait, later
+        return lambda: waited.append(self.nq)
+
+    monkeypatch.setattr(SearchGraph, "start", start)
+    q = rng.standard_normal((4, DIM)).astype(np.float16).astype(np.float32)
+    members = [(q[0:1], 10, None), (q[1:3], 4, None), (q[3:4], 6, M.Scope("a", None, None))]
+    finish, running = store.start_search_many(members)
+    # two calls: the scoped one alone (a search of its own, first), the unscoped batch of 3
+    # (padded to 4) left running
+    assert running and gpu._running is not None and waited == []
+    other = rng.standard_normal((1, DIM)).astype(np.float16).astype(np.float32)
+    alone = store.search(other, 5, None)  # the staging's next use: it waits for the batch
+    assert gpu._running is None and waited == [4]
+    check_search(alone, items, other, 5, "ip", None, rtol=2e-3)
+    hits = finish()
+    assert waited == [4]
+    for (queries, k, scope), hit in zip(members, hits, strict=True):
+        check_search(hit, items, queries, k, "ip", store.scopes.filter(scope), rtol=2e-3)
+    # in the interpreter a graph cannot run ahead: the batch is answered at once
+    monkeypatch.undo()
+    gpu2, store2, items2, _ = gpu_store(monkeypatch)
+    finish, running = store2.start_search_many(members[:2])
+    assert not running and gpu2._running is None
+    for (queries, k, _), hit in zip(members[:2], finish(), strict=True):
+        check_search(hit, items2, queries, k, "ip", None, rtol=2e-3)
 
 
 # -- through the poller, beside the GPU doorbell (its fixture: tests/server/test_doorbell.py) --
@@ -98,7 +141,7 @@ def answers(s: Served, batch: list, qs: list, codes: list[int]) -> None:
 @pytest.mark.parametrize("armed", [False, True], ids=["idle", "doorbell-armed"])
 def test_a_batch_through_the_poller_of_a_cuda_sidecar(served_fixture: Served, armed: bool) -> None:
     served = served_fixture
-    served.poller._handle_batch = served.dispatcher.handle_batch
+    served.poller._begin_batch = served.dispatcher.begin_batch
     if armed:  # the GPU waits on channel 0 for its next search: it may take it itself
         served.search(query(1))
         assert served.door.armed is served.channels[0].pinned

@@ -35,10 +35,16 @@ class Peer:
         t = threading.Thread(target=wait, daemon=True)
         t.start()
         deadline = time.monotonic() + 5
-        while native.load_acquire(self.parked) == 0:  # parked (its flag set before it sleeps)
+        while not (native.load_acquire(self.parked) and asleep(t)):  # in its futex wait
             assert time.monotonic() < deadline
             time.sleep(0.001)
         return t
+
+
+def asleep(t: threading.Thread) -> bool:
+    """Whether thread ``t`` sleeps in the kernel (its flag alone is set before it does)."""
+    with open(f"/proc/self/task/{t.native_id}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "S"
 
 
 def ring(capacity: int) -> np.ndarray:
@@ -86,7 +92,10 @@ def test_the_wake_waits_on_the_ring_until_its_thread_runs(page):
     consumer.start()
     t.join(5)
     assert peer.reached is True
-    assert int(r[8]) == 1  # the head: woken
+    deadline = time.monotonic() + 5
+    while int(r[8]) != 1:  # the head, stored once the wake's syscall returned
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
     native.store_release(addr + 8 * 32, 1)  # stop, then ring the consumer's bell
     native.publish(addr, int(r[0]), addr + 8 * 16, addr + 8 * 24)
     consumer.join(5)

@@ -70,7 +70,8 @@ SYSTEMS = (
 TORCH_BATCH = 64  # the in-process batched server's largest batch
 # The sidecar's stats of its batches that each row's sidecar_batches reads (_batch_row)
 BATCH_STATS = (
-    "batches", "batched", "batch_ns", "batch_dispatch_ns", "batch_search_ns", "batch_woken"
+    "batches", "batched", "batch_ns", "batch_dispatch_ns", "batch_search_ns", "batch_woken",
+    "batches_run_ahead", "batch_running_ns",
 )  # fmt: skip
 
 
@@ -740,10 +741,12 @@ def _batch_row(
     ``searches`` they answered; the mean time of a batch from its pickup to its last reply
     (``mean_us``), of which in the pass over the index (``search_us``) and in the dispatcher
     around it (``dispatch_us``, the decoding and encoding of its members), the rest the
-    poller's; the share of the wall time the poller spent in batches (``busy_share``: near
-    1, the poller's one thread is the bound); and the share of the members whose callers had
-    parked (``woken_share``: woken by the sidecar's waker thread). Returns ``after``."""
-    n, members, total, dispatch, search, woken, now = (
+    poller's; the share of the wall time the poller spent on batches (``busy_share``, less
+    the time their passes ran on the GPU while it served on: near 1, the poller's one thread
+    is the bound); the share of the members whose callers had parked (``woken_share``: woken
+    by the sidecar's waker thread); and the share of the batches whose pass ran while the
+    poller decoded the next (``run_ahead_share``). Returns ``after``."""
+    n, members, total, dispatch, search, woken, ahead, running, now = (
         a - b for a, b in zip(after, before, strict=True)
     )
     per = 1e-3 / n if n else 0.0
@@ -754,8 +757,9 @@ def _batch_row(
         "mean_us": round(total * per, 1),
         "search_us": round(search * per, 1),
         "dispatch_us": round((dispatch - search) * per, 1),
-        "busy_share": round(total / now, 3) if now else 0.0,
+        "busy_share": round((total - running) / now, 3) if now else 0.0,
         "woken_share": round(woken / members, 3) if members else 0.0,
+        "run_ahead_share": round(ahead / n, 3) if n else 0.0,
     }
     return after
 

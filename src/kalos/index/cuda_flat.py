@@ -1397,6 +1397,7 @@ class SearchGraph:
         self._status_np = self._status.numpy()
         self._graphs: list[Any] = []  # [full scan, prefilter, settle] CUDA graphs (GPU only)
         self._launchers: list[Any] = []  # replay_and_wait's driver launchers of them
+        self._started: tuple[Any, Any] | None = None  # start's: (its graph, GraphLaunch)
         self._generation = -1
         self._capture()
 
@@ -1495,6 +1496,30 @@ class SearchGraph:
             self._run()
         else:
             self._graphs[0].replay()
+
+    def start(self, stream: Any) -> Callable[[], None] | None:
+        """The full scan launched on ``stream`` (torch's current stream) and not waited for:
+        returns what waits for it (the results are then in ``scores`` and ``ids``). None,
+        with nothing launched, where the search needs the host between its passes (a
+        prefiltered graph, once the index is large enough to take it) or has no captured
+        graph (the interpreter): run it with :meth:`replay_and_wait`."""
+        index = self.index
+        if self.prefilter and index._n >= index.prefilter_min_rows:
+            return None
+        self._ensure(False)
+        if not self._graphs:
+            return None
+        if self._started is None or self._started[0] is not self._graphs[0]:
+            from kalos.gpu import driver
+
+            if self._started is not None:  # a recaptured graph: the old one's events go
+                self._started[1].close()
+            graph = self._graphs[0]
+            launch = driver.GraphLaunch(graph.raw_cuda_graph_exec(), stream.cuda_stream)
+            self._started = (graph, launch)
+        launch = self._started[1]
+        launch()
+        return launch.wait
 
     def replay_and_wait(self, stream: Any) -> bool:
         """:meth:`replay` on ``stream`` (torch's current stream, as there), then wait for it:

@@ -10,14 +10,20 @@ record of the sweep, keeps serving, and publishes each held response once its re
 durable (the log's flusher rings the doorbell when a commit lands). Between sweeps it takes a
 snapshot when one is due.
 
-Dynamic batching (``handle_batch``: Dispatcher.handle_batch): the searches and recalls a
+Dynamic batching (``begin_batch``: Dispatcher.begin_batch): the searches and recalls a
 sweep finds waiting on different channels are answered together after it, with one pass
 over the index; each member is checked on its own (its body's size, its deadline) and its
 response written to its own channel. One found alone is served as any other request, so a
 lone caller pays one header read for it. With a batch delay the first member waits up to it
-for more, sweeping the channels. While one batch computes, the next gathers. The callers of a
-batch that parked while it ran are woken by another thread (server.waker): the poller only
-stores their sequence words.
+for more, sweeping the channels. The callers of a batch that parked while it ran are woken
+by another thread (server.waker): the poller only stores their sequence words.
+
+On a GPU a batch's pass is left running while the poller sweeps: the next batch is decoded
+meanwhile; then the running one's answers are written, the next one's pass started, and the
+first one's replies published while the GPU runs the second. The host's work on a batch and
+the GPU's pass overlap, instead of adding up. The dispatch lock stays held while a batch
+runs: whatever else takes it (a lone request, a write, the GPU doorbell's books, a snapshot,
+another thread) first waits for the batch, and an idle sweep answers it at once.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from kalos.server.waker import Waker
 from kalos.shm.memory import SharedMemory, create
 
 if TYPE_CHECKING:
+    from kalos.server.dispatch import BatchRun
     from kalos.server.doorbell import Doorbell
     from kalos.server.durability import Journal
     from kalos.server.request_stats import RequestStats
@@ -103,6 +110,22 @@ class ServerChannel:
         return int(_native.load_acquire(self._view)) - 1
 
 
+class _Flight:
+    """A batch between its decode and its replies (Poller._serve_together): its BatchRun
+    (None: each member alone), members, (channel, seq, op, queue ns) of each, when it was
+    picked up and when its pass was left running (0: it was not), and its results."""
+
+    __slots__ = ("members", "picked", "results", "run", "served", "started")
+
+    def __init__(
+        self, run: BatchRun | None, members: list[tuple[int, int, Any, Any]],
+        served: list[tuple[ServerChannel, int, int, int]], picked: int,
+    ) -> None:  # fmt: skip
+        self.run, self.members, self.served, self.picked = run, members, served, picked
+        self.started = 0
+        self.results: list[tuple[int, int, int, int]] = []
+
+
 class Poller:
     """Serves every shm channel from one thread (see the module docstring)."""
 
@@ -115,16 +138,16 @@ class Poller:
         spin_us: float,
         heartbeat_ms: float,
         journal: Journal | None = None,
-        handle_batch=None,
+        begin_batch=None,
         batch_delay_us: float = 0.0,
         batch_max: int = 64,
     ) -> None:
         self._ctrl = control
         self._handle = handle  # Dispatcher.handle, or Durability.handle
-        # Dynamic batching (the module docstring): Dispatcher.handle_batch, or None for none;
+        # Dynamic batching (the module docstring): Dispatcher.begin_batch, or None for none;
         # how long the first search of a batch may wait for more (0: only those waiting);
         # the most requests in one batch.
-        self._handle_batch = handle_batch
+        self._begin_batch = begin_batch
         self._batch_delay_ns = int(batch_delay_us * 1000)
         self._batch_max = max(1, batch_max)
         self._batch: list[tuple[ServerChannel, int]] = []  # reused by every sweep
@@ -135,6 +158,11 @@ class Poller:
         # that, inside the dispatcher's batch call (decode, search, encode; under the lock)
         self.batch_ns = 0
         self.batch_dispatch_ns = 0
+        # A batch whose pass runs on the GPU while the poller sweeps for the next (the dispatch
+        # lock held for it); how many batches ran so, and for how long in all
+        self._flight: _Flight | None = None
+        self.batches_run_ahead = 0
+        self.batch_running_ns = 0
         # While run serves with batching on: the thread that wakes a batch's parked callers
         # (server.waker); None: each reply wakes its own. How many it woke in earlier runs.
         self._waker: Waker | None = None
@@ -183,7 +211,7 @@ class Poller:
 
     def run(self) -> None:
         """The poll loop; returns once :meth:`stop` was called."""
-        batch = self._batch if self._handle_batch is not None else None
+        batch = self._batch if self._begin_batch is not None else None
         if batch is not None:
             self._waker = Waker()
         try:
@@ -216,6 +244,8 @@ class Poller:
                     worked = True
             if batch:
                 self._serve_batch(batch)
+            elif self._flight is not None:  # nothing to overlap it with
+                self._land()
             if self._held:
                 self._release()
             door = self.doorbell
@@ -228,6 +258,7 @@ class Poller:
                 _store(self._hb_count, beats)
                 next_beat = now + self._heartbeat_ns
             if self._journal is not None and self._journal.snapshot_due():
+                self._land()
                 if door is not None:
                     self._locked(door.settle)
                 self._journal.snapshot()
@@ -241,6 +272,7 @@ class Poller:
                 continue  # it may have taken a request meanwhile
             if self._park():
                 last_work = _monotonic_ns()
+        self._land()
         door = self.doorbell
         if door is not None:
             self._locked(door.settle)
@@ -250,6 +282,7 @@ class Poller:
             self._release()
 
     def _locked(self, fn) -> None:
+        self._land()
         self._lock.acquire()
         try:
             fn()
@@ -309,6 +342,8 @@ class Poller:
 
     def serve(self, ch: ServerChannel, seq: int) -> None:
         """Answers the request published with ``seq`` on ``ch``."""
+        if self._flight is not None:
+            self._land()
         picked = _monotonic_ns()
         buf = ch.buf
         op, flags, body_len, publish_ns, deadline_ns = _unpack_request(buf, _REQ_OP)
@@ -400,7 +435,7 @@ class Poller:
 
     def _serve_batch(self, batch: list[tuple[ServerChannel, int]]) -> None:
         """Answers the searches and recalls of one sweep (``batch``: channel and sequence,
-        emptied here) with one pass over the index (Dispatcher.handle_batch); with a batch
+        emptied here) with one pass over the index (Dispatcher.begin_batch); with a batch
         delay, first waits up to it for more. A lone request goes the way of any other
         (:meth:`serve`): batching never adds work to one caller's search. Each member is
         checked on its own (its body's size, its deadline), and answered on its own channel."""
@@ -433,8 +468,15 @@ class Poller:
                 break
 
     def _serve_together(self, part: list[tuple[ServerChannel, int]]) -> None:
+        """Answers ``part`` as one batch (Dispatcher.begin_batch). Where its pass is left
+        running on the GPU, the batch stays in flight (:attr:`_flight`, the dispatch lock held
+        for it) while the poller sweeps for the next: that one is decoded while this one runs,
+        then this one's answers are written, the next's pass started, and this one's replies
+        published while the GPU runs the next (the module doc)."""
         picked = _monotonic_ns()
         door = self.doorbell
+        if door is not None and (door.armed is not None or door.claims):
+            self._land()  # the GPU's books (_door_took) take the dispatch lock
         members: list[tuple[int, int, Any, Any]] = []
         served: list[tuple[ServerChannel, int, int, int]] = []  # channel, seq, op, queue ns
         for ch, seq in part:
@@ -465,28 +507,89 @@ class Poller:
             served.append((ch, seq, op, queue_ns))
         if not members:
             return
-        lock = self._lock
-        lock.acquire()
-        try:
-            dispatched = _monotonic_ns()
-            try:
-                results = self._handle_batch(members)
-            except Exception:  # a bug in the batch path: each alone, so it fails only itself
-                log.exception("a batch of %d failed; serving each alone", len(members))
-                results = [self._handle(*m) for m in members]
-            self.batch_dispatch_ns += _monotonic_ns() - dispatched
-        finally:
-            lock.release()
         self.batches += 1
         self.batched += len(members)
         if len(members) > self.largest_batch:
             self.largest_batch = len(members)
+        previous = self._flight  # a batch running on the GPU: the lock is held for it
+        self._flight = None
+        if previous is None:
+            self._lock.acquire()
+        landed = done = None
+        running = False
+        try:
+            dispatched = _monotonic_ns()
+            try:
+                run: BatchRun | None = self._begin_batch(members)  # decoded; the GPU runs on
+            except Exception:  # a bug in the batch path: each alone, so it fails only itself
+                log.exception("a batch of %d failed; serving each alone", len(members))
+                run = None
+            decoded = _monotonic_ns()
+            if previous is not None:
+                landed = self._finish(previous)
+            flight = _Flight(run, members, served, picked)
+            starting = _monotonic_ns()
+            if run is not None:
+                try:
+                    running = run.start()
+                except Exception:
+                    log.exception("a batch of %d failed; serving each alone", len(members))
+                    flight.run = None
+            self.batch_dispatch_ns += decoded - dispatched + _monotonic_ns() - starting
+            if running:
+                self._flight = flight
+                flight.started = _monotonic_ns()
+                self.batches_run_ahead += 1
+            else:
+                done = self._finish(flight)
+        finally:
+            if self._flight is None:
+                self._lock.release()
+        if landed is not None:  # the one before, while the GPU runs this one
+            self._replies(landed)
+        if done is not None:
+            self._replies(done)
+
+    def _land(self) -> None:
+        """Waits for the batch in flight, answers it, and releases the dispatch lock; before
+        anything else takes the lock or the GPU."""
+        flight = self._flight
+        if flight is None:
+            return
+        self._flight = None
+        try:
+            done = self._finish(flight)
+        finally:
+            self._lock.release()
+        self._replies(done)
+
+    def _finish(self, flight: _Flight) -> _Flight:
+        """``flight``'s answers written (under the dispatch lock): BatchRun.finish, or each
+        member alone should the batch path fail."""
+        t = _monotonic_ns()
+        if flight.started:
+            self.batch_running_ns += t - flight.started
+        results = None
+        if flight.run is not None:
+            try:
+                results = flight.run.finish()
+            except Exception:
+                log.exception("a batch of %d failed; serving each alone", len(flight.members))
+        if results is None:
+            results = [self._handle(*m) for m in flight.members]
+        flight.results = results
+        self.batch_dispatch_ns += _monotonic_ns() - t
+        return flight
+
+    def _replies(self, flight: _Flight) -> None:
+        """Publishes a batch's responses (written by :meth:`_finish`): the wakes of parked
+        callers are the waker's."""
         publish = self._waker.publish if self._waker is not None else _publish
         for (ch, seq, op, queue_ns), (status, n, compute_ns, write_ns) in zip(
-            served, results, strict=True
+            flight.served, flight.results, strict=True
         ):
             self._reply(ch, seq, op, status, n, queue_ns, compute_ns, write_ns, publish)
-        self.batch_ns += _monotonic_ns() - picked
+        self.batch_ns += _monotonic_ns() - flight.picked
 
     def _reply(
         self, ch: ServerChannel, seq: int, op: int, status: int, n: int, queue_ns: int,

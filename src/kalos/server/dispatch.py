@@ -229,43 +229,15 @@ class Dispatcher:
         body, a wrong dimension, a session not found, a response too large) gets its own
         error status and message, and every other member its exact answer. Compute time is
         the batch's up to the member's response."""
-        t0 = _monotonic_ns()
-        gpu = self.memories.gpu
-        if gpu is not None:  # no graph may stay armed ahead of this work
-            gpu.settle()
-        self.now_ns = _time_ns()
-        self.gpu_buffer = self.pinned = self.reader = None
-        results: list[tuple[int, int, int, int] | None] = [None] * len(members)
-        # (member, its finish: hits and search ns -> (response length, write at), queries, k,
-        # scope, nprobe)
-        jobs: list[tuple[int, Callable[[Any, int], tuple[int, int]], np.ndarray, int, Any, int]]
-        jobs = []
-        for i, (op, flags, body, out) in enumerate(members):
-            self.requests[op] += 1
-            try:
-                jobs.append((i, *self._batch_job(op, flags, body, out)))
-            except Exception as exc:
-                results[i] = self._failure(op, exc, out, t0)
-        t1 = _monotonic_ns()
-        hits = self.memories.search_many(
-            [(q, k, scope) for _, _, q, k, scope, _ in jobs], nprobes=[p for *_, p in jobs]
-        )
-        search_ns = _monotonic_ns() - t1
-        self.batch_search_ns += search_ns
-        for (i, finish, *_), hit in zip(jobs, hits, strict=True):
-            out = members[i][3]
-            try:
-                if isinstance(hit, Exception):
-                    raise hit
-                n, write_at = finish(hit, search_ns)
-                end = _monotonic_ns()
-                if write_at:
-                    results[i] = (_OK, n, write_at - t0, end - write_at)
-                else:
-                    results[i] = (_OK, n, end - t0, 0)
-            except Exception as exc:
-                results[i] = self._failure(members[i][0], exc, out, t0)
-        return results  # type: ignore[return-value]
+        run = self.begin_batch(members)
+        run.start()
+        return run.finish()
+
+    def begin_batch(self, members: Sequence[tuple[int, int, np.ndarray, np.ndarray]]) -> BatchRun:
+        """:meth:`handle_batch` in its three steps (:class:`BatchRun`): the members decoded
+        here; the pass over the index started, then the answers written, by the caller, which
+        holds the dispatch lock from this call to the answers."""
+        return BatchRun(self, members)
 
     def _batch_job(
         self, op: int, flags: int, body: np.ndarray, out: np.ndarray
@@ -591,3 +563,71 @@ class Dispatcher:
         sessions = self.sessions.forget(scope)
         values, logs = self.state.forget(scope)
         return M.encode_forgotten(out, (memories, sessions, values, logs)), 0
+
+
+class BatchRun:
+    """One batch of searches and recalls between its decode and its answers
+    (:meth:`Dispatcher.begin_batch`): the members are decoded when it is made; :meth:`start`
+    starts the pass over the index, and says whether it is still running (a GPU index's
+    batched call, left running so that the sidecar can serve meanwhile what needs no lock);
+    :meth:`finish` waits for it and writes each member's response, returning what
+    :meth:`Dispatcher.handle_batch` does."""
+
+    def __init__(
+        self, dispatcher: Dispatcher, members: Sequence[tuple[int, int, np.ndarray, np.ndarray]]
+    ) -> None:
+        d = self._dispatcher = dispatcher
+        self._members = members
+        self._t0 = t0 = _monotonic_ns()
+        d.now_ns = _time_ns()
+        d.gpu_buffer = d.pinned = d.reader = None
+        self._results: list[tuple[int, int, int, int] | None] = [None] * len(members)
+        # (member, its finish: hits and search ns -> (response length, write at), queries, k,
+        # scope, nprobe)
+        self._jobs: list[
+            tuple[int, Callable[[Any, int], tuple[int, int]], np.ndarray, int, Any, int]
+        ] = []
+        for i, (op, flags, body, out) in enumerate(members):
+            d.requests[op] += 1
+            try:
+                self._jobs.append((i, *d._batch_job(op, flags, body, out)))
+            except Exception as exc:
+                self._results[i] = d._failure(op, exc, out, t0)
+        self._hits: Callable[[], list[Any]] | None = None
+        self._t1 = 0
+
+    def start(self) -> bool:
+        """Starts the pass over the index; returns whether it is still running."""
+        d, jobs = self._dispatcher, self._jobs
+        gpu = d.memories.gpu
+        if gpu is not None:  # no graph may stay armed ahead of this work
+            gpu.settle()
+        self._t1 = _monotonic_ns()
+        self._hits, running = d.memories.start_search_many(
+            [(q, k, scope) for _, _, q, k, scope, _ in jobs], nprobes=[p for *_, p in jobs]
+        )
+        return running
+
+    def finish(self) -> list[tuple[int, int, int, int]]:
+        """Waits for the pass and writes each member's response: (status, response length,
+        compute ns, write ns) in the members' order."""
+        assert self._hits is not None, "finish before start"
+        d, t0, results = self._dispatcher, self._t0, self._results
+        hits = self._hits()
+        search_ns = _monotonic_ns() - self._t1
+        d.batch_search_ns += search_ns
+        members = self._members
+        for (i, finish, *_), hit in zip(self._jobs, hits, strict=True):
+            out = members[i][3]
+            try:
+                if isinstance(hit, Exception):
+                    raise hit
+                n, write_at = finish(hit, search_ns)
+                end = _monotonic_ns()
+                if write_at:
+                    results[i] = (_OK, n, write_at - t0, end - write_at)
+                else:
+                    results[i] = (_OK, n, end - t0, 0)
+            except Exception as exc:
+                results[i] = d._failure(members[i][0], exc, out, t0)
+        return results  # type: ignore[return-value]

@@ -27,6 +27,7 @@ same way.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -395,6 +396,31 @@ class Staging:
         self.ids_np = self.ids.numpy()
 
 
+class _Running:
+    """A batch's search left running on the GPU (:meth:`GpuSearch.start`): call it for its
+    (scores, ids); :meth:`land` waits for it and keeps a copy of them, before the staging's
+    next use."""
+
+    def __init__(self, owner: GpuSearch, wait: Callable[[], None], nq: int, k: int) -> None:
+        self._owner, self._wait, self._nq, self._k = owner, wait, nq, k
+        self._result: tuple[np.ndarray, np.ndarray] | None = None
+
+    def land(self) -> None:
+        if self._result is None:
+            self._wait()
+            m, s = self._nq * self._k, self._owner.staging
+            shape = (self._nq, self._k)
+            self._result = (s.scores_np[:m].reshape(shape).copy(),
+                            s.ids_np[:m].reshape(shape).copy())  # fmt: skip
+        if self._owner._running is self:
+            self._owner._running = None
+
+    def __call__(self) -> tuple[np.ndarray, np.ndarray]:
+        self.land()
+        assert self._result is not None
+        return self._result
+
+
 class GpuSearch:
     """Serves searches on a :class:`CudaFlatIndex` through cached CUDA graphs."""
 
@@ -415,6 +441,8 @@ class GpuSearch:
         # on, so a search always sees every write before it.
         self.stream = torch.cuda.current_stream(index.device)
         self._graphs: dict[tuple[int, int, bool], _HostResultGraph] = {}
+        self._running: _Running | None = None  # a batch's search started and not waited for
+        self._started_on: set[int] = set()  # threads that made the device's context current
         # The GPU's own pickup of a channel's next search (server.doorbell), where the kernel
         # can publish; None: every request goes through the sidecar.
         self.doorbell: Doorbell | None = None
@@ -517,9 +545,42 @@ class GpuSearch:
         pinned.close()
 
     def settle(self) -> None:
-        """Before other work on the GPU's stream (under the dispatch lock): no graph armed."""
+        """Before other work on the GPU's stream (under the dispatch lock): no graph armed,
+        no batch running."""
+        if self._running is not None:
+            self._running.land()
         if self.doorbell is not None:
             self.doorbell.settle()
+
+    def start(
+        self, queries: np.ndarray, k: int, scope: tuple[int, int, int] | None
+    ) -> Callable[[], tuple[np.ndarray, np.ndarray]] | None:
+        """:meth:`search` of a batch into host memory, launched and not waited for: returns
+        what waits for it and gives (scores [nq, k], ids [nq, k]). None, with nothing
+        launched, for a shape that cannot run ahead (a batch above the graph limit, one
+        query's prefilter, the interpreter): call :meth:`search`. Until it is called,
+        nothing else may change the index (the dispatch lock stays held); another search
+        first waits for it, keeping its answer."""
+        self.settle()
+        nq = len(queries)
+        if nq > self.max_batch or k > 1024:
+            return None
+        key = (nq, k, scope is not None)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = _HostResultGraph(
+                self.index, nq, k, scope is not None, self.staging
+            )
+        thread = threading.get_ident()
+        if thread not in self._started_on:  # the driver's launch needs the context current
+            driver.ensure_context(self.device)
+            self._started_on.add(thread)
+        self._stage(queries, scope)
+        wait = graph.start(self.stream)
+        if wait is None:
+            return None
+        self._running = _Running(self, wait, nq, k)
+        return self._running
 
     def search(
         self,
@@ -537,6 +598,8 @@ class GpuSearch:
         shape, so ``out`` must be that shape's fixed place in it), else copied from staging.
         Without, views into pinned staging valid until the next search. Batches above the
         graph limit take the plain path."""
+        if self._running is not None:
+            self._running.land()
         nq = len(queries)
         if nq > self.max_batch or k > 1024:
             scores, ids = self.index.search(queries, k, scope=scope)
@@ -581,6 +644,8 @@ class GpuSearch:
     ) -> None:
         """Top-k into the channel's GPU buffer; ``queries`` None: they are in its GPU slots.
         Returns once the results are complete in device memory."""
+        if self._running is not None:
+            self._running.land()
         key = (nq, k, scope is not None, queries is None)
         graph = buffer.graphs.get(key)
         if graph is None:

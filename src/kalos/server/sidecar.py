@@ -260,7 +260,7 @@ class Sidecar:
             spin_us=config.spin_us,
             heartbeat_ms=config.heartbeat_ms,
             journal=journal,
-            handle_batch=self.dispatcher.handle_batch if config.batch_max > 1 else None,
+            begin_batch=self.dispatcher.begin_batch if config.batch_max > 1 else None,
             batch_delay_us=config.batch_delay_us,
             batch_max=config.batch_max,
         )
@@ -301,6 +301,9 @@ class Sidecar:
             "batch_dispatch_ns": self.poller.batch_dispatch_ns,
             "batch_search_ns": self.dispatcher.batch_search_ns,
             "batch_woken": self.poller.batch_woken,  # members whose callers parked (server.waker)
+            # batches whose pass ran on the GPU while the poller served on, and for how long
+            "batches_run_ahead": self.poller.batches_run_ahead,
+            "batch_running_ns": self.poller.batch_running_ns,
             # uds and grpc requests' batches (server.combiner)
             "thread_batches": self.combiner.batches if self.combiner is not None else 0,
             "thread_batched": self.combiner.batched if self.combiner is not None else 0,

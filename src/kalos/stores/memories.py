@@ -16,7 +16,7 @@ import json
 import math
 import os
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -53,6 +53,9 @@ class GpuSearcher(Protocol):
 
     def search_to_device(self, buffer: Any, queries: np.ndarray | None, nq: int, k: int,
                          scope: Any) -> None: ...  # fmt: skip
+
+    def start(self, queries: np.ndarray, k: int, scope: Any
+              ) -> Callable[[], tuple[np.ndarray, np.ndarray]] | None: ...  # fmt: skip
 
 
 NO_MATCH = -1  # a filter code that no item carries: a scope name never seen
@@ -392,6 +395,19 @@ class MemoryStore:
         keeps its own first k (the same top-k: the ranking is the same). ``nprobes``: each
         member's probe count, as :meth:`search`'s ``nprobe`` (None: the index's own); an
         approximate index takes one pass per distinct count."""
+        finish, _ = self.start_search_many(members, nprobes)
+        return finish()
+
+    def start_search_many(
+        self,
+        members: Sequence[tuple[np.ndarray, int, Scope | None]],
+        nprobes: Sequence[int] | None = None,
+    ) -> tuple[Callable[[], list[tuple[np.ndarray, np.ndarray] | Exception]], bool]:
+        """:meth:`search_many`, with a GPU index's last batched call left running: returns
+        what gives the answers (waiting for that call) and whether it is still running. While
+        it runs, nothing else may use the GPU or change the store: the caller holds the
+        dispatch lock until it has the answers. Elsewhere (a CPU index, a call that cannot
+        run ahead) the answers are there when this returns."""
         results: list[tuple[np.ndarray, np.ndarray] | Exception | None] = [None] * len(members)
         todo: list[tuple[int, np.ndarray, int, tuple[int, int, int] | None]] = []
         for i, (queries, k, scope) in enumerate(members):
@@ -403,23 +419,34 @@ class MemoryStore:
                 continue
             todo.append((i, queries, k, self.scopes.filter(scope)))
         found: list[tuple[np.ndarray, np.ndarray] | Exception] | None = None
+        last: Callable[[], None] | None = None  # the GPU's call still running
         try:
             if self.gpu is not None:
-                found = self._gpu_many(self.gpu, todo)
+                found, last = self._gpu_many(self.gpu, todo)
             elif todo:
                 found = self._index_many(todo, nprobes)
         except Exception:  # whichever member caused it: each alone, so it fails only itself
             found = None
-        if found is None:
-            found = []
-            for i, q, k, f in todo:
+
+        def finish() -> list[tuple[np.ndarray, np.ndarray] | Exception]:
+            hits = found
+            if last is not None:
                 try:
-                    found.append(self._search_alone(q, k, f, nprobes[i] if nprobes else 0))
-                except Exception as exc:
-                    found.append(exc)
-        for (i, *_), hit in zip(todo, found, strict=True):
-            results[i] = hit
-        return results  # type: ignore[return-value]
+                    last()
+                except Exception:
+                    hits = None
+            if hits is None:
+                hits = []
+                for i, q, k, f in todo:
+                    try:
+                        hits.append(self._search_alone(q, k, f, nprobes[i] if nprobes else 0))
+                    except Exception as exc:
+                        hits.append(exc)
+            for (i, *_), hit in zip(todo, hits, strict=True):
+                results[i] = hit
+            return results  # type: ignore[return-value]
+
+        return finish, last is not None
 
     def _index_many(
         self,
@@ -448,11 +475,14 @@ class MemoryStore:
 
     def _gpu_many(
         self, gpu: GpuSearcher, todo: list[tuple[int, np.ndarray, int, tuple[int, int, int] | None]]
-    ) -> list[tuple[np.ndarray, np.ndarray] | Exception]:
-        """The GPU's share of :meth:`search_many`: members grouped by scope filter, each
+    ) -> tuple[list[tuple[np.ndarray, np.ndarray] | Exception], Callable[[], None] | None]:
+        """The GPU's share of :meth:`start_search_many`: members grouped by scope filter, each
         group in calls of at most ``gpu.max_batch`` queries, padded to a power of two (a
-        graph is captured once per batch size and k: few sizes, few captures)."""
+        graph is captured once per batch size and k: few sizes, few captures). The last call
+        is left running where it can be: returns what waits for it (and fills its members'
+        slots of the list returned), or None."""
         found: list[tuple[np.ndarray, np.ndarray] | Exception | None] = [None] * len(todo)
+        calls: list[tuple[list[int], int, tuple[int, int, int] | None]] = []
         groups: dict[tuple[int, int, int] | None, list[int]] = {}  # filter -> members
         for j, (_, _, _, filt) in enumerate(todo):
             groups.setdefault(filt, []).append(j)
@@ -462,25 +492,35 @@ class MemoryStore:
             for j in [*members, -1]:
                 nq = len(todo[j][1]) if j >= 0 else 0
                 if chunk and (j < 0 or rows + nq > gpu.max_batch):
-                    self._gpu_call(gpu, [todo[c] for c in chunk], rows, filt, found, chunk)
+                    calls.append((chunk, rows, filt))
                     chunk, rows = [], 0
                 if j >= 0:
                     chunk.append(j)
                     rows += nq
-        return found  # type: ignore[return-value]
+        calls.sort(key=lambda call: len(call[0]) > 1)  # a batched call last: it may run on
+        last = None
+        for c, (chunk, rows, filt) in enumerate(calls):
+            waiting = self._gpu_call(gpu, [todo[j] for j in chunk], rows, filt, found, chunk,
+                                     run_ahead=c == len(calls) - 1)  # fmt: skip
+            if waiting is not None:
+                last = waiting
+        return found, last  # type: ignore[return-value]
 
     def _gpu_call(
         self, gpu: GpuSearcher, members: list[tuple[int, np.ndarray, int, Any]], rows: int,
         filt: tuple[int, int, int] | None, found: list[Any], slots: list[int],
-    ) -> None:  # fmt: skip
-        """One batched GPU search for ``members`` (one filter, ``rows`` queries in all)."""
+        run_ahead: bool = False,
+    ) -> Callable[[], None] | None:  # fmt: skip
+        """One batched GPU search for ``members`` (one filter, ``rows`` queries in all).
+        ``run_ahead``: left running where the GPU can (GpuSearcher.start); returns then what
+        waits for it and fills ``found``, else None (``found`` is filled)."""
         k = max(m[2] for m in members)
         if k <= 1000:  # k up to a power of ten, as the batch size to one of two: few graphs
             k = 10 ** math.ceil(math.log10(k))
         if len(members) == 1 or k > 1024 or rows > gpu.max_batch:
             for slot, (_, q, kk, _) in zip(slots, members, strict=True):
                 found[slot] = self._search_alone(q, kk, filt)
-            return
+            return None
         size = min(1 << (rows - 1).bit_length(), gpu.max_batch)
         batch = np.empty((size, self.dim), np.float32)  # [size, dim]: the queries, padded
         at = 0
@@ -488,12 +528,20 @@ class MemoryStore:
             batch[at : at + len(q)] = q
             at += len(q)
         batch[at:] = batch[0]  # padding rows: a real query (cosine needs a norm); ignored
-        scores, ids = gpu.search(batch, k, filt)  # views into staging, [size, k]
-        scores, ids = scores[:rows].copy(), ids[:rows].copy()  # the staging's next call
-        at = 0
-        for slot, (_, q, kk, _) in zip(slots, members, strict=True):
-            found[slot] = (scores[at : at + len(q), :kk], ids[at : at + len(q), :kk])
-            at += len(q)
+
+        def split(result: tuple[np.ndarray, np.ndarray]) -> None:
+            scores, ids = result  # views into staging, [size, k]
+            scores, ids = scores[:rows].copy(), ids[:rows].copy()  # the staging's next call
+            at = 0
+            for slot, (_, q, kk, _) in zip(slots, members, strict=True):
+                found[slot] = (scores[at : at + len(q), :kk], ids[at : at + len(q), :kk])
+                at += len(q)
+
+        wait = gpu.start(batch, k, filt) if run_ahead else None
+        if wait is None:
+            split(gpu.search(batch, k, filt))
+            return None
+        return lambda: split(wait())
 
     def search_to_device(
         self, buffer: Any, queries: np.ndarray | None, nq: int, k: int,
