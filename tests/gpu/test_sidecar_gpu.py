@@ -173,3 +173,36 @@ def test_in_place_results_through_the_registered_arena(gpu_sidecar):
     with sc.connect(transport="uds", timeout=60) as u:
         np.testing.assert_array_equal(u.search(qs, 10, payloads=False).ids, want.ids)
     assert client.stats()["errors"] == errors_before
+
+
+def test_batches_run_ahead_on_the_gpu_and_stay_exact(gpu_sidecar):
+    """Callers on 16 channels at once: their searches batch, and each batch's pass runs on the
+    GPU while the poller decodes the next (``batches_run_ahead``). Every answer exact."""
+    import threading
+
+    sc, client, base16, ids = gpu_sidecar
+    before = client.stats()
+    errors: list[BaseException] = []
+
+    def caller(t: int) -> None:
+        try:
+            rng = np.random.default_rng(100 + t)
+            with sc.connect(timeout=60) as c:
+                for r in range(40):
+                    q = rng.standard_normal(DIM).astype(np.float32)
+                    k = (1, 10, 10, 100)[(t + r) % 4]
+                    got = c.search(q, k, payloads=False, copy=True)
+                    want, _ = exact_topk(base16, q, k)
+                    assert_same_topk(got.ids[0], got.scores[0], want, ids, base16, q)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=caller, args=(t,)) for t in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    after = client.stats()
+    assert after["batches_run_ahead"] > before["batches_run_ahead"], after
+    assert after["errors"] == before["errors"]

@@ -88,14 +88,25 @@ def test_a_batch_left_running_on_the_gpu_keeps_its_answer(monkeypatch: pytest.Mo
     gpu, store, items, rng = gpu_store(monkeypatch)
     waited: list[int] = []
 
+    class Launch:  # driver.GraphLaunch's: the pass done at once, its wait recorded
+        def __init__(self, nq: int) -> None:
+            self.nq = nq
+
+        def wait(self) -> None:
+            waited.append(self.nq)
+
+        def done(self) -> bool:
+            return True
+
     def start(self, stream):  # type: ignore[no-untyped-def]
-        self._run()  # the interpreter's pass, here and now; its wait, later
-        return lambda: waited.append(self.nq)
+        self._run()  # the interpreter's pass, here and now
+        return Launch(self.nq)
 
     monkeypatch.setattr(SearchGraph, "start", start)
     q = rng.standard_normal((4, DIM)).astype(np.float16).astype(np.float32)
     members = [(q[0:1], 10, None), (q[1:3], 4, None), (q[3:4], 6, M.Scope("a", None, None))]
-    finish, running = store.start_search_many(members)
+    finish, done = store.start_search_many(members)
+    running = done is not None and done()
     # two calls: the scoped one alone (a search of its own, first), the unscoped batch of 3
     # (padded to 4) left running
     assert running and gpu._running is not None and waited == []
@@ -110,8 +121,8 @@ def test_a_batch_left_running_on_the_gpu_keeps_its_answer(monkeypatch: pytest.Mo
     # in the interpreter a graph cannot run ahead: the batch is answered at once
     monkeypatch.undo()
     gpu2, store2, items2, _ = gpu_store(monkeypatch)
-    finish, running = store2.start_search_many(members[:2])
-    assert not running and gpu2._running is None
+    finish, done = store2.start_search_many(members[:2])
+    assert done is None and gpu2._running is None
     for (queries, k, _), hit in zip(members[:2], finish(), strict=True):
         check_search(hit, items2, queries, k, "ip", None, rtol=2e-3)
 

@@ -1497,9 +1497,10 @@ class SearchGraph:
         else:
             self._graphs[0].replay()
 
-    def start(self, stream: Any) -> Callable[[], None] | None:
+    def start(self, stream: Any) -> Any:
         """The full scan launched on ``stream`` (torch's current stream) and not waited for:
-        returns what waits for it (the results are then in ``scores`` and ``ids``). None,
+        returns its ``driver.GraphLaunch`` (``wait()``, then the results are in ``scores``
+        and ``ids``; ``done()`` asks without waiting). None,
         with nothing launched, where the search needs the host between its passes (a
         prefiltered graph, once the index is large enough to take it) or has no captured
         graph (the interpreter): run it with :meth:`replay_and_wait`."""
@@ -1519,7 +1520,7 @@ class SearchGraph:
             self._started = (graph, launch)
         launch = self._started[1]
         launch()
-        return launch.wait
+        return launch
 
     def replay_and_wait(self, stream: Any) -> bool:
         """:meth:`replay` on ``stream`` (torch's current stream, as there), then wait for it:

@@ -18,12 +18,14 @@ lone caller pays one header read for it. With a batch delay the first member wai
 for more, sweeping the channels. The callers of a batch that parked while it ran are woken
 by another thread (server.waker): the poller only stores their sequence words.
 
-On a GPU a batch's pass is left running while the poller sweeps: the next batch is decoded
-meanwhile; then the running one's answers are written, the next one's pass started, and the
-first one's replies published while the GPU runs the second. The host's work on a batch and
-the GPU's pass overlap, instead of adding up. The dispatch lock stays held while a batch
-runs: whatever else takes it (a lone request, a write, the GPU doorbell's books, a snapshot,
-another thread) first waits for the batch, and an idle sweep answers it at once.
+On a GPU a batch's pass is left running while the poller sweeps on: the requests its sweeps
+find meanwhile are taken into the next batch and decoded (up to ``batch_max``; a channel's
+taken request is passed by until answered). Once the pass is done, its answers are written,
+the next batch's pass started, and the first one's replies published while the GPU runs the
+second: the host's work on a batch and the GPU's pass overlap, instead of adding up. The
+dispatch lock stays held while batches are taken or running: whatever else takes it (a lone
+request, a write, the GPU doorbell's books, a snapshot, another thread) first waits until
+they are answered.
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ class ServerChannel:
         self.client_parked = a + L.CHAN_CLIENT_PARKED
         self.client_bell = a + L.CHAN_CLIENT_BELL
         self.last_seq = 0
+        self.taken = 0  # the request the poller took into a batch not yet answered (its seq)
         self.requests = 0
         self.gpu: Any = None  # its GPU result buffer (server.gpu_search), on a cuda sidecar
         self.pinned: Any = None  # its response arena registered for the GPU (PinnedArena)
@@ -112,8 +115,8 @@ class ServerChannel:
 
 class _Flight:
     """A batch between its decode and its replies (Poller._serve_together): its BatchRun
-    (None: each member alone), members, (channel, seq, op, queue ns) of each, when it was
-    picked up and when its pass was left running (0: it was not), and its results."""
+    (None: each member alone), members, (channel, seq, op, queue ns) of each, when its first
+    was picked up and when its pass was left running (0: it was not), and its results."""
 
     __slots__ = ("members", "picked", "results", "run", "served", "started")
 
@@ -124,6 +127,10 @@ class _Flight:
         self.run, self.members, self.served, self.picked = run, members, served, picked
         self.started = 0
         self.results: list[tuple[int, int, int, int]] = []
+
+    def done(self) -> bool:
+        """Whether its pass, left running, has finished (it does not wait)."""
+        return self.run is None or self.run.done()
 
 
 class Poller:
@@ -161,6 +168,7 @@ class Poller:
         # A batch whose pass runs on the GPU while the poller sweeps for the next (the dispatch
         # lock held for it); how many batches ran so, and for how long in all
         self._flight: _Flight | None = None
+        self._next: _Flight | None = None  # the batch taken meanwhile, started after it
         self.batches_run_ahead = 0
         self.batch_running_ns = 0
         # While run serves with batching on: the thread that wakes a batch's parked callers
@@ -236,7 +244,7 @@ class Poller:
             worked = False
             for ch in self.channels:
                 seq = _load(ch.req_seq)
-                if seq != ch.last_seq:
+                if seq != ch.last_seq and seq != ch.taken:
                     if batch is not None and _batchable(*_unpack_op_flags(ch.buf, _REQ_OP)):
                         batch.append((ch, seq))  # served after the sweep, with the others
                     else:
@@ -244,8 +252,9 @@ class Poller:
                     worked = True
             if batch:
                 self._serve_batch(batch)
-            elif self._flight is not None:  # nothing to overlap it with
-                self._land()
+            if self._flight is not None:  # answered once its pass is done; spin meanwhile
+                self._advance()
+                worked = True
             if self._held:
                 self._release()
             door = self.doorbell
@@ -258,7 +267,7 @@ class Poller:
                 _store(self._hb_count, beats)
                 next_beat = now + self._heartbeat_ns
             if self._journal is not None and self._journal.snapshot_due():
-                self._land()
+                self._drain()
                 if door is not None:
                     self._locked(door.settle)
                 self._journal.snapshot()
@@ -272,7 +281,7 @@ class Poller:
                 continue  # it may have taken a request meanwhile
             if self._park():
                 last_work = _monotonic_ns()
-        self._land()
+        self._drain()
         door = self.doorbell
         if door is not None:
             self._locked(door.settle)
@@ -282,7 +291,7 @@ class Poller:
             self._release()
 
     def _locked(self, fn) -> None:
-        self._land()
+        self._drain()
         self._lock.acquire()
         try:
             fn()
@@ -342,8 +351,8 @@ class Poller:
 
     def serve(self, ch: ServerChannel, seq: int) -> None:
         """Answers the request published with ``seq`` on ``ch``."""
-        if self._flight is not None:
-            self._land()
+        if self._flight is not None or self._next is not None:
+            self._drain()
         picked = _monotonic_ns()
         buf = ch.buf
         op, flags, body_len, publish_ns, deadline_ns = _unpack_request(buf, _REQ_OP)
@@ -438,13 +447,20 @@ class Poller:
         emptied here) with one pass over the index (Dispatcher.begin_batch); with a batch
         delay, first waits up to it for more. A lone request goes the way of any other
         (:meth:`serve`): batching never adds work to one caller's search. Each member is
-        checked on its own (its body's size, its deadline), and answered on its own channel."""
+        checked on its own (its body's size, its deadline), and answered on its own channel.
+        While a batch's pass runs on the GPU, the sweep's requests join the next batch, up to
+        ``batch_max`` (the others wait for a later sweep)."""
         try:
             if self._batch_delay_ns:
                 self._gather(batch)
+            if self._flight is not None:
+                room = self._batch_max - (len(self._next.members) if self._next else 0)
+                if room > 0:
+                    self._serve_together(batch[:room])
+                return
             for start in range(0, len(batch), self._batch_max):
                 part = batch[start : start + self._batch_max]
-                if len(part) == 1:
+                if len(part) == 1 and self._flight is None:
                     self.serve(*part[0])
                 else:
                     self._serve_together(part)
@@ -461,22 +477,24 @@ class Poller:
                 if id(ch) in taken:
                     continue
                 seq = _load(ch.req_seq)
-                if seq != ch.last_seq and _batchable(*_unpack_op_flags(ch.buf, _REQ_OP)):
+                if (
+                    seq != ch.last_seq
+                    and seq != ch.taken
+                    and _batchable(*_unpack_op_flags(ch.buf, _REQ_OP))
+                ):
                     batch.append((ch, seq))
                     taken.add(id(ch))
             if _monotonic_ns() >= deadline:
                 break
 
     def _serve_together(self, part: list[tuple[ServerChannel, int]]) -> None:
-        """Answers ``part`` as one batch (Dispatcher.begin_batch). Where its pass is left
-        running on the GPU, the batch stays in flight (:attr:`_flight`, the dispatch lock held
-        for it) while the poller sweeps for the next: that one is decoded while this one runs,
-        then this one's answers are written, the next's pass started, and this one's replies
-        published while the GPU runs the next (the module doc)."""
+        """Takes ``part`` into the next batch (Dispatcher.begin_batch decodes it), started at
+        once unless a batch's pass runs on the GPU: then it starts when that one is done
+        (:meth:`_advance`). The dispatch lock is held while batches are taken or running."""
         picked = _monotonic_ns()
         door = self.doorbell
         if door is not None and (door.armed is not None or door.claims):
-            self._land()  # the GPU's books (_door_took) take the dispatch lock
+            self._drain()  # the GPU's books (_door_took) take the dispatch lock
         members: list[tuple[int, int, Any, Any]] = []
         served: list[tuple[ServerChannel, int, int, int]] = []  # channel, seq, op, queue ns
         for ch, seq in part:
@@ -503,65 +521,80 @@ class Poller:
             body = ch.req_arena[:body_len]
             if ch.pinned is not None:  # the GPU does not publish a batch member's response
                 ch.pinned.arm(seq, queue_ns, picked, op, flags, body if door else None)
+            ch.taken = seq  # in a batch: later sweeps pass it by until it is answered
             members.append((op, flags, body, ch.resp_arena))
             served.append((ch, seq, op, queue_ns))
         if not members:
             return
-        self.batches += 1
-        self.batched += len(members)
-        if len(members) > self.largest_batch:
-            self.largest_batch = len(members)
-        previous = self._flight  # a batch running on the GPU: the lock is held for it
-        self._flight = None
-        if previous is None:
-            self._lock.acquire()
-        landed = done = None
-        running = False
+        if self._flight is None and self._next is None:
+            self._lock.acquire()  # held until the batches taken are answered (_advance)
+        taken = _monotonic_ns()
+        nxt = self._next
         try:
-            dispatched = _monotonic_ns()
-            try:
-                run: BatchRun | None = self._begin_batch(members)  # decoded; the GPU runs on
-            except Exception:  # a bug in the batch path: each alone, so it fails only itself
-                log.exception("a batch of %d failed; serving each alone", len(members))
-                run = None
-            decoded = _monotonic_ns()
-            if previous is not None:
-                landed = self._finish(previous)
-            flight = _Flight(run, members, served, picked)
-            starting = _monotonic_ns()
-            if run is not None:
-                try:
-                    running = run.start()
-                except Exception:
-                    log.exception("a batch of %d failed; serving each alone", len(members))
-                    flight.run = None
-            self.batch_dispatch_ns += decoded - dispatched + _monotonic_ns() - starting
-            if running:
-                self._flight = flight
-                flight.started = _monotonic_ns()
-                self.batches_run_ahead += 1
+            if nxt is None:
+                nxt = self._next = _Flight(None, [], [], picked)
+                nxt.run = self._begin_batch(members)  # decoded
             else:
-                done = self._finish(flight)
+                assert nxt.run is not None
+                nxt.run.add(members)
+        except Exception:  # a bug in the batch path: each alone, so it fails only itself
+            log.exception("a batch of %d failed; serving each alone", len(members))
+            assert nxt is not None
+            nxt.run = None
+        nxt.members += members
+        nxt.served += served
+        self.batch_dispatch_ns += _monotonic_ns() - taken
+        if self._flight is None:
+            self._advance()
+
+    def _advance(self, wait: bool = False) -> None:
+        """Moves the batches on: once the pass that runs on the GPU is done (``wait``: waits
+        for it), writes its answers, starts the next batch's pass, and publishes the first
+        one's replies while the GPU runs the second. Releases the dispatch lock once no batch
+        is taken or running."""
+        flight = self._flight
+        landed = done = None
+        try:
+            if flight is not None:
+                if not wait and not flight.done():
+                    return
+                self._flight = None
+                landed = self._finish(flight)
+            nxt = self._next
+            if nxt is not None:
+                self._next = None
+                self.batches += 1
+                self.batched += len(nxt.members)
+                if len(nxt.members) > self.largest_batch:
+                    self.largest_batch = len(nxt.members)
+                t = _monotonic_ns()
+                running = False
+                if nxt.run is not None:
+                    try:
+                        running = nxt.run.start()
+                    except Exception:
+                        log.exception("a batch of %d failed; serving each alone", len(nxt.members))
+                        nxt.run = None
+                self.batch_dispatch_ns += _monotonic_ns() - t
+                if running:
+                    nxt.started = _monotonic_ns()
+                    self._flight = nxt
+                    self.batches_run_ahead += 1
+                else:
+                    done = self._finish(nxt)
         finally:
-            if self._flight is None:
+            if self._flight is None and self._next is None:
                 self._lock.release()
         if landed is not None:  # the one before, while the GPU runs this one
             self._replies(landed)
         if done is not None:
             self._replies(done)
 
-    def _land(self) -> None:
-        """Waits for the batch in flight, answers it, and releases the dispatch lock; before
+    def _drain(self) -> None:
+        """Answers every batch taken or running and releases the dispatch lock: before
         anything else takes the lock or the GPU."""
-        flight = self._flight
-        if flight is None:
-            return
-        self._flight = None
-        try:
-            done = self._finish(flight)
-        finally:
-            self._lock.release()
-        self._replies(done)
+        while self._flight is not None or self._next is not None:
+            self._advance(wait=True)
 
     def _finish(self, flight: _Flight) -> _Flight:
         """``flight``'s answers written (under the dispatch lock): BatchRun.finish, or each

@@ -567,34 +567,43 @@ class Dispatcher:
 
 class BatchRun:
     """One batch of searches and recalls between its decode and its answers
-    (:meth:`Dispatcher.begin_batch`): the members are decoded when it is made; :meth:`start`
-    starts the pass over the index, and says whether it is still running (a GPU index's
-    batched call, left running so that the sidecar can serve meanwhile what needs no lock);
-    :meth:`finish` waits for it and writes each member's response, returning what
-    :meth:`Dispatcher.handle_batch` does."""
+    (:meth:`Dispatcher.begin_batch`): members are decoded as they come (:meth:`add`);
+    :meth:`start` starts the pass over the index and says whether it is still running (a GPU
+    index's batched call, left running so that the sidecar can decode the next batch
+    meanwhile; :meth:`done` asks whether it has finished); :meth:`finish` waits for it and
+    writes each member's response, returning what :meth:`Dispatcher.handle_batch` does."""
 
     def __init__(
         self, dispatcher: Dispatcher, members: Sequence[tuple[int, int, np.ndarray, np.ndarray]]
     ) -> None:
         d = self._dispatcher = dispatcher
-        self._members = members
-        self._t0 = t0 = _monotonic_ns()
+        self._t0 = _monotonic_ns()
         d.now_ns = _time_ns()
         d.gpu_buffer = d.pinned = d.reader = None
-        self._results: list[tuple[int, int, int, int] | None] = [None] * len(members)
+        self._members: list[tuple[int, int, np.ndarray, np.ndarray]] = []
+        self._results: list[tuple[int, int, int, int] | None] = []
         # (member, its finish: hits and search ns -> (response length, write at), queries, k,
         # scope, nprobe)
         self._jobs: list[
             tuple[int, Callable[[Any, int], tuple[int, int]], np.ndarray, int, Any, int]
         ] = []
-        for i, (op, flags, body, out) in enumerate(members):
+        self._hits: Callable[[], list[Any]] | None = None
+        self._done: Callable[[], bool] | None = None
+        self._t1 = 0
+        self.add(members)
+
+    def add(self, members: Sequence[tuple[int, int, np.ndarray, np.ndarray]]) -> None:
+        """Decodes more members into the batch, before :meth:`start`."""
+        d, t0 = self._dispatcher, self._t0
+        for op, flags, body, out in members:
+            i = len(self._members)
+            self._members.append((op, flags, body, out))
+            self._results.append(None)
             d.requests[op] += 1
             try:
                 self._jobs.append((i, *d._batch_job(op, flags, body, out)))
             except Exception as exc:
                 self._results[i] = d._failure(op, exc, out, t0)
-        self._hits: Callable[[], list[Any]] | None = None
-        self._t1 = 0
 
     def start(self) -> bool:
         """Starts the pass over the index; returns whether it is still running."""
@@ -603,10 +612,14 @@ class BatchRun:
         if gpu is not None:  # no graph may stay armed ahead of this work
             gpu.settle()
         self._t1 = _monotonic_ns()
-        self._hits, running = d.memories.start_search_many(
+        self._hits, self._done = d.memories.start_search_many(
             [(q, k, scope) for _, _, q, k, scope, _ in jobs], nprobes=[p for *_, p in jobs]
         )
-        return running
+        return self._done is not None
+
+    def done(self) -> bool:
+        """Whether the pass :meth:`start` left running has finished (it does not wait)."""
+        return self._done is None or self._done()
 
     def finish(self) -> list[tuple[int, int, int, int]]:
         """Waits for the pass and writes each member's response: (status, response length,

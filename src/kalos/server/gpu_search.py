@@ -401,13 +401,17 @@ class _Running:
     (scores, ids); :meth:`land` waits for it and keeps a copy of them, before the staging's
     next use."""
 
-    def __init__(self, owner: GpuSearch, wait: Callable[[], None], nq: int, k: int) -> None:
-        self._owner, self._wait, self._nq, self._k = owner, wait, nq, k
+    def __init__(self, owner: GpuSearch, launch: Any, nq: int, k: int) -> None:
+        self._owner, self._launch, self._nq, self._k = owner, launch, nq, k
         self._result: tuple[np.ndarray, np.ndarray] | None = None
+
+    def done(self) -> bool:
+        """Whether the pass has finished (it does not wait)."""
+        return self._result is not None or bool(self._launch.done())
 
     def land(self) -> None:
         if self._result is None:
-            self._wait()
+            self._launch.wait()
             m, s = self._nq * self._k, self._owner.staging
             shape = (self._nq, self._k)
             self._result = (s.scores_np[:m].reshape(shape).copy(),
@@ -554,7 +558,7 @@ class GpuSearch:
 
     def start(
         self, queries: np.ndarray, k: int, scope: tuple[int, int, int] | None
-    ) -> Callable[[], tuple[np.ndarray, np.ndarray]] | None:
+    ) -> _Running | None:
         """:meth:`search` of a batch into host memory, launched and not waited for: returns
         what waits for it and gives (scores [nq, k], ids [nq, k]). None, with nothing
         launched, for a shape that cannot run ahead (a batch above the graph limit, one
@@ -576,10 +580,10 @@ class GpuSearch:
             driver.ensure_context(self.device)
             self._started_on.add(thread)
         self._stage(queries, scope)
-        wait = graph.start(self.stream)
-        if wait is None:
+        launch = graph.start(self.stream)
+        if launch is None:
             return None
-        self._running = _Running(self, wait, nq, k)
+        self._running = _Running(self, launch, nq, k)
         return self._running
 
     def search(

@@ -54,8 +54,15 @@ class GpuSearcher(Protocol):
     def search_to_device(self, buffer: Any, queries: np.ndarray | None, nq: int, k: int,
                          scope: Any) -> None: ...  # fmt: skip
 
-    def start(self, queries: np.ndarray, k: int, scope: Any
-              ) -> Callable[[], tuple[np.ndarray, np.ndarray]] | None: ...  # fmt: skip
+    def start(self, queries: np.ndarray, k: int, scope: Any) -> Running | None: ...
+
+
+class Running(Protocol):
+    """A GPU search left running (GpuSearcher.start): call it for its (scores, ids)."""
+
+    def __call__(self) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def done(self) -> bool: ...
 
 
 NO_MATCH = -1  # a filter code that no item carries: a scope name never seen
@@ -395,19 +402,20 @@ class MemoryStore:
         keeps its own first k (the same top-k: the ranking is the same). ``nprobes``: each
         member's probe count, as :meth:`search`'s ``nprobe`` (None: the index's own); an
         approximate index takes one pass per distinct count."""
-        finish, _ = self.start_search_many(members, nprobes)
-        return finish()
+        return self.start_search_many(members, nprobes)[0]()
 
     def start_search_many(
         self,
         members: Sequence[tuple[np.ndarray, int, Scope | None]],
         nprobes: Sequence[int] | None = None,
-    ) -> tuple[Callable[[], list[tuple[np.ndarray, np.ndarray] | Exception]], bool]:
+    ) -> tuple[Callable[[], list[tuple[np.ndarray, np.ndarray] | Exception]],
+               Callable[[], bool] | None]:  # fmt: skip
         """:meth:`search_many`, with a GPU index's last batched call left running: returns
-        what gives the answers (waiting for that call) and whether it is still running. While
-        it runs, nothing else may use the GPU or change the store: the caller holds the
-        dispatch lock until it has the answers. Elsewhere (a CPU index, a call that cannot
-        run ahead) the answers are there when this returns."""
+        what gives the answers (waiting for that call) and, while that call runs, what says
+        whether it is done (None: nothing runs). While it runs, nothing else may use the GPU
+        or change the store: the caller holds the dispatch lock until it has the answers.
+        Elsewhere (a CPU index, a call that cannot run ahead) the answers are there when
+        this returns."""
         results: list[tuple[np.ndarray, np.ndarray] | Exception | None] = [None] * len(members)
         todo: list[tuple[int, np.ndarray, int, tuple[int, int, int] | None]] = []
         for i, (queries, k, scope) in enumerate(members):
@@ -419,7 +427,7 @@ class MemoryStore:
                 continue
             todo.append((i, queries, k, self.scopes.filter(scope)))
         found: list[tuple[np.ndarray, np.ndarray] | Exception] | None = None
-        last: Callable[[], None] | None = None  # the GPU's call still running
+        last: tuple[Callable[[], None], Callable[[], bool]] | None = None  # the GPU's, running
         try:
             if self.gpu is not None:
                 found, last = self._gpu_many(self.gpu, todo)
@@ -432,7 +440,7 @@ class MemoryStore:
             hits = found
             if last is not None:
                 try:
-                    last()
+                    last[0]()
                 except Exception:
                     hits = None
             if hits is None:
@@ -446,7 +454,7 @@ class MemoryStore:
                 results[i] = hit
             return results  # type: ignore[return-value]
 
-        return finish, last is not None
+        return finish, None if last is None else last[1]
 
     def _index_many(
         self,
@@ -475,12 +483,15 @@ class MemoryStore:
 
     def _gpu_many(
         self, gpu: GpuSearcher, todo: list[tuple[int, np.ndarray, int, tuple[int, int, int] | None]]
-    ) -> tuple[list[tuple[np.ndarray, np.ndarray] | Exception], Callable[[], None] | None]:
+    ) -> tuple[
+        list[tuple[np.ndarray, np.ndarray] | Exception],
+        tuple[Callable[[], None], Callable[[], bool]] | None,
+    ]:
         """The GPU's share of :meth:`start_search_many`: members grouped by scope filter, each
         group in calls of at most ``gpu.max_batch`` queries, padded to a power of two (a
         graph is captured once per batch size and k: few sizes, few captures). The last call
         is left running where it can be: returns what waits for it (and fills its members'
-        slots of the list returned), or None."""
+        slots of the list returned) and what says whether it is done, or None."""
         found: list[tuple[np.ndarray, np.ndarray] | Exception | None] = [None] * len(todo)
         calls: list[tuple[list[int], int, tuple[int, int, int] | None]] = []
         groups: dict[tuple[int, int, int] | None, list[int]] = {}  # filter -> members
@@ -510,10 +521,11 @@ class MemoryStore:
         self, gpu: GpuSearcher, members: list[tuple[int, np.ndarray, int, Any]], rows: int,
         filt: tuple[int, int, int] | None, found: list[Any], slots: list[int],
         run_ahead: bool = False,
-    ) -> Callable[[], None] | None:  # fmt: skip
+    ) -> tuple[Callable[[], None], Callable[[], bool]] | None:  # fmt: skip
         """One batched GPU search for ``members`` (one filter, ``rows`` queries in all).
         ``run_ahead``: left running where the GPU can (GpuSearcher.start); returns then what
-        waits for it and fills ``found``, else None (``found`` is filled)."""
+        waits for it and fills ``found``, and what says whether it is done; else None
+        (``found`` is filled)."""
         k = max(m[2] for m in members)
         if k <= 1000:  # k up to a power of ten, as the batch size to one of two: few graphs
             k = 10 ** math.ceil(math.log10(k))
@@ -537,11 +549,11 @@ class MemoryStore:
                 found[slot] = (scores[at : at + len(q), :kk], ids[at : at + len(q), :kk])
                 at += len(q)
 
-        wait = gpu.start(batch, k, filt) if run_ahead else None
-        if wait is None:
+        running = gpu.start(batch, k, filt) if run_ahead else None
+        if running is None:
             split(gpu.search(batch, k, filt))
             return None
-        return lambda: split(wait())
+        return lambda: split(running()), running.done
 
     def search_to_device(
         self, buffer: Any, queries: np.ndarray | None, nq: int, k: int,
