@@ -6,6 +6,7 @@ fixture of conftest.py; ``client`` is one client of a fresh ip store of dimensio
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import threading
 from collections.abc import Callable
@@ -576,6 +577,19 @@ def test_callers_beyond_the_spinners_park_at_once(sidecar, monkeypatch) -> None:
         assert not errors, errors[0]
         assert len(spins) == 48 and spins.count(0) >= 12, spins
         assert shm._waiting.value == 0  # every caller counted out
+        # as many spinning in other client processes of the sidecar (its poller's count in
+        # the control segment, here a word of the test's): it parks at once
+        theirs = ctypes.c_uint64(2)
+        mine = told._channel(TIMEOUT)
+        word, mine._spinning = mine._spinning, ctypes.addressof(theirs)
+        try:
+            spins.clear()
+            told.search(q, k=1)
+            theirs.value = 1  # fewer: it spins first
+            told.search(q, k=1)
+            assert spins == [0, 50_000], spins
+        finally:
+            mine._spinning = word
         auto.ping()  # a learned channel: a ping is quick, it spins however many wait
         channel = auto._channel(TIMEOUT)
         channel._rtt.clear()  # what the first pings taught (a cold channel)

@@ -35,6 +35,7 @@ GOLDEN_INTS = {
     "CTRL_START_NS": 56,
     "CTRL_HEARTBEAT_NS": 128,
     "CTRL_HEARTBEAT_COUNT": 136,
+    "CTRL_SPINNING": 144,
     "CTRL_SERVER_PARKED": 256,
     "CTRL_BELL": 264,
     "CONTROL_SIZE": 4096,
@@ -236,6 +237,7 @@ CTRL_SIDECAR_WRITES = (
     "CTRL_START_NS",
     "CTRL_HEARTBEAT_NS",
     "CTRL_HEARTBEAT_COUNT",
+    "CTRL_SPINNING",
     "CTRL_SERVER_PARKED",
 )
 CTRL_CLIENT_WRITES = ("CTRL_BELL",)
@@ -284,6 +286,7 @@ def test_shared_words_are_8_byte_aligned() -> None:
         "CTRL_BELL",
         "CTRL_HEARTBEAT_NS",
         "CTRL_HEARTBEAT_COUNT",
+        "CTRL_SPINNING",
         "CTRL_STATE",
     ):
         assert getattr(L, name) % 8 == 0, name

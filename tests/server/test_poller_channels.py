@@ -36,3 +36,50 @@ def test_concurrent_adds_and_removes_lose_no_channel() -> None:
     finally:
         sys.setswitchinterval(interval)
     assert sorted(map(id, poller.channels)) == sorted(map(id, kept))
+
+
+def test_the_poller_publishes_how_many_callers_spin() -> None:
+    """Each sweep counts the requests waiting for their response whose caller is not parked,
+    over every channel, into the control segment (clients park at once beyond a quarter of
+    the CPUs: transport.shm.SPINNERS). Requests taken into a batch count too (they are not
+    served again)."""
+    import os
+    import time
+
+    from kalos import _native
+    from kalos.server.channels import ServerChannel
+
+    ctrl = SharedMemory(create("kalos-test-control", L.CONTROL_SIZE), L.CONTROL_SIZE)
+    poller = Poller(ctrl, None, threading.Lock(), spin_us=10**6, heartbeat_ms=100)
+    channels = [ServerChannel(i, 7, L.MIN_ARENA_BYTES) for i in range(3)]
+    for ch in channels:
+        poller.add(ch)
+    word = ctrl.addr + L.CTRL_SPINNING
+
+    def wait_for(n: int) -> None:
+        deadline = time.monotonic() + 10
+        while _native.load_acquire(word) != n:
+            assert time.monotonic() < deadline, (_native.load_acquire(word), n)
+            time.sleep(0.001)
+
+    spinner, sleeper, _idle = channels  # the third: no request
+    for ch in (spinner, sleeper):  # a request each, taken (nothing here serves it)
+        _native.store_release(ch.req_seq, 1)
+        ch.taken = 1
+    _native.store_release(sleeper.client_parked, 1)
+    thread = threading.Thread(target=poller.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(1)  # the spinner; not the parked caller, nor the idle channel
+        _native.store_release(sleeper.client_parked, 0)
+        wait_for(2)
+        _native.store_release(spinner.client_parked, 1)
+        _native.store_release(sleeper.resp_seq, 1)
+        sleeper.last_seq = 1  # answered
+        wait_for(0)
+    finally:
+        poller.stop()
+        thread.join(10)
+        for ch in channels:
+            ch.mem.close()
+            os.close(ch.fd)

@@ -194,6 +194,8 @@ class Poller:
         self._bell = a + L.CTRL_BELL
         self._hb_ns = a + L.CTRL_HEARTBEAT_NS
         self._hb_count = a + L.CTRL_HEARTBEAT_COUNT
+        self._spinning_word = a + L.CTRL_SPINNING
+        self._spinning = 0  # what the word says: callers waiting and not parked, last sweep
         self.metrics: RequestStats | None = None  # set by the admin endpoint (kalos.server.admin)
 
     def add(self, ch: ServerChannel) -> None:
@@ -242,14 +244,22 @@ class Poller:
         beats = 0
         while not self.stopping:
             worked = False
+            spinning = 0
             for ch in self.channels:
                 seq = _load(ch.req_seq)
-                if seq != ch.last_seq and seq != ch.taken:
+                if seq != ch.last_seq:
+                    if not _load(ch.client_parked):
+                        spinning += 1
+                    if seq == ch.taken:  # in a batch not yet answered
+                        continue
                     if batch is not None and _batchable(*_unpack_op_flags(ch.buf, _REQ_OP)):
                         batch.append((ch, seq))  # served after the sweep, with the others
                     else:
                         self.serve(ch, seq)
                     worked = True
+            if spinning != self._spinning:  # every client process's callers read it
+                self._spinning = spinning
+                _store(self._spinning_word, spinning)
             if batch:
                 self._serve_batch(batch)
             if self._flight is not None:  # answered once its pass is done; spin meanwhile

@@ -40,6 +40,9 @@ CTRL_HEADER = struct.Struct("<4sIIIQQQIIIIQ")  # the fields above, offsets 0..63
 # Line 1: written by the sidecar's poller only.
 CTRL_HEARTBEAT_NS = 1 * LINE  # u64  CLOCK_MONOTONIC of the last heartbeat
 CTRL_HEARTBEAT_COUNT = 1 * LINE + 8  # u64
+# Callers waiting for a response without being parked (spinning) at the poller's last sweep,
+# over every client process: a caller beyond a quarter of the CPUs parks at once (client).
+CTRL_SPINNING = 1 * LINE + 16  # u64
 # Line 2: the sidecar's doorbell. The sidecar sets PARKED before it sleeps on BELL; a client
 # that publishes a request and sees PARKED != 0 bumps BELL and futex-wakes it.
 CTRL_SERVER_PARKED = 2 * LINE  # u64

@@ -49,9 +49,12 @@ SPIN_CAP = 4
 LOADED_NS = 10_000_000  # a round trip that queued in the sidecar counts as this long
 # Callers of this process that spin at once for a response slower than the base spin (the
 # ops a channel learned, or every op with a fixed spin): beyond SPINNERS, such a call parks at
-# once. Spinning callers beyond the CPUs only take them from the sidecar and from the callers
-# whose answers have come (64 threads or asyncio tasks searching on the 2-core VM:
-# async-ci-2core.json). The count is a native word, updated atomically without the GIL.
+# once, as it does while SPINNERS callers or more spin across every client process of the
+# sidecar (the poller's count of the callers it found waiting and not parked, in the control
+# segment). Spinning callers beyond the CPUs only take them from the sidecar and from the
+# callers whose answers have come (64 threads or asyncio tasks searching on the 2-core VM:
+# async-ci-2core.json). The process's count is a native word, updated atomically without the
+# GIL.
 _CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 SPINNERS = max(1, (_CPUS or 1) // 4)
 _waiting = ctypes.c_uint64(0)
@@ -179,6 +182,7 @@ class ShmTransport(Transport):
         self._server_bell = c + L.CTRL_BELL
         self._ctrl_state = c + L.CTRL_STATE
         self._heartbeat = c + L.CTRL_HEARTBEAT_NS
+        self._spinning = c + L.CTRL_SPINNING
         self._hung_ns = int(hung_after * 1e9)
         self._buf = buf
         self._seq = _load(self._req_seq)
@@ -212,8 +216,8 @@ class ShmTransport(Transport):
                 self._wait_slow(seq, deadline)
         else:  # slower than the base spin: spins only within the process's SPINNERS
             spin = self._spin_ns if spins is None else spins.get(op, self._spin_ns)
-            if _fetch_add(_WAITING, 1) >= SPINNERS:
-                spin = 0
+            if _fetch_add(_WAITING, 1) >= SPINNERS or _load(self._spinning) >= SPINNERS:
+                spin = 0  # as many spin already, in this process or in all (the sidecar's count)
             try:
                 if not _wait_seq(self._resp_seq, seq, self._client_parked, self._client_bell,
                                  spin, first):  # fmt: skip
