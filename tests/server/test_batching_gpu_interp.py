@@ -118,6 +118,15 @@ def test_a_batch_left_running_on_the_gpu_keeps_its_answer(monkeypatch: pytest.Mo
     assert waited == [4]
     for (queries, k, scope), hit in zip(members, hits, strict=True):
         check_search(hit, items, queries, k, "ip", store.scopes.filter(scope), rtol=2e-3)
+    # a pass whose wait fails: each member searched again alone, and the staging free
+    failing = Launch(4)
+    failing.wait = lambda: (_ for _ in ()).throw(RuntimeError("an illegal address"))  # type: ignore[method-assign]
+    monkeypatch.setattr(SearchGraph, "start", lambda self, stream: (self._run(), failing)[1])
+    finish, done = store.start_search_many(members)
+    assert done is not None and gpu._running is not None
+    for (queries, k, scope), hit in zip(members, finish(), strict=True):
+        check_search(hit, items, queries, k, "ip", store.scopes.filter(scope), rtol=2e-3)
+    assert gpu._running is None
     # in the interpreter a graph cannot run ahead: the batch is answered at once
     monkeypatch.undo()
     gpu2, store2, items2, _ = gpu_store(monkeypatch)

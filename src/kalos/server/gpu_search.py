@@ -410,14 +410,16 @@ class _Running:
         return self._result is not None or bool(self._launch.done())
 
     def land(self) -> None:
-        if self._result is None:
-            self._launch.wait()
-            m, s = self._nq * self._k, self._owner.staging
-            shape = (self._nq, self._k)
-            self._result = (s.scores_np[:m].reshape(shape).copy(),
-                            s.ids_np[:m].reshape(shape).copy())  # fmt: skip
-        if self._owner._running is self:
-            self._owner._running = None
+        try:
+            if self._result is None:
+                self._launch.wait()
+                m, s = self._nq * self._k, self._owner.staging
+                shape = (self._nq, self._k)
+                self._result = (s.scores_np[:m].reshape(shape).copy(),
+                                s.ids_np[:m].reshape(shape).copy())  # fmt: skip
+        finally:  # a failed wait too: the staging's next user does not wait on it again
+            if self._owner._running is self:
+                self._owner._running = None
 
     def __call__(self) -> tuple[np.ndarray, np.ndarray]:
         self.land()
