@@ -21,6 +21,7 @@ from kalos.index.cuda_flat import SearchGraph
 from kalos.protocol import layout as L
 from kalos.protocol import messages as M
 from kalos.protocol.codes import Op, Status
+from kalos.server.dispatch import Dispatcher
 from kalos.server.gpu_search import GpuSearch
 from kalos.stores.memories import MemoryStore
 from kalos.testing import check_search
@@ -127,6 +128,23 @@ def test_a_batch_left_running_on_the_gpu_keeps_its_answer(monkeypatch: pytest.Mo
     for (queries, k, scope), hit in zip(members, finish(), strict=True):
         check_search(hit, items, queries, k, "ip", store.scopes.filter(scope), rtol=2e-3)
     assert gpu._running is None
+    # ... and one whose query fails too, through the dispatcher: done says so, and every
+    # member still gets its answer
+    failing.done = lambda: (_ for _ in ()).throw(RuntimeError("an illegal address"))  # type: ignore[method-assign]
+    bodies = []
+    for queries, k, scope in members:
+        body = np.zeros(1 << 16, np.uint8)
+        n = M.encode_search(body, queries, k, M.encode_scope_fields(scope))
+        bodies.append((int(Op.SEARCH), 0, body[:n], np.zeros(1 << 16, np.uint8)))
+    run = Dispatcher(store).begin_batch(bodies)
+    assert run.start() and run.done()
+    for (queries, k, scope), (_, _, _, out), (status, n, _, _) in zip(
+        members, bodies, run.finish(), strict=True
+    ):
+        assert status == Status.OK
+        r = M.decode_search_response(out, n)
+        check_search((r.scores, r.ids), items, queries, k, "ip", store.scopes.filter(scope),
+                     rtol=2e-3)  # fmt: skip
     # in the interpreter a graph cannot run ahead: the batch is answered at once
     monkeypatch.undo()
     gpu2, store2, items2, _ = gpu_store(monkeypatch)

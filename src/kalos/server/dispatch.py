@@ -618,8 +618,13 @@ class BatchRun:
         return self._done is not None
 
     def done(self) -> bool:
-        """Whether the pass :meth:`start` left running has finished (it does not wait)."""
-        return self._done is None or self._done()
+        """Whether the pass :meth:`start` left running has finished (it does not wait). A
+        failing query says True: :meth:`finish` then meets the failure, and answers each
+        member alone."""
+        try:
+            return self._done is None or self._done()
+        except Exception:
+            return True
 
     def finish(self) -> list[tuple[int, int, int, int]]:
         """Waits for the pass and writes each member's response: (status, response length,
