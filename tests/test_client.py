@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import signal
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -557,25 +559,35 @@ def test_callers_beyond_the_spinners_park_at_once(sidecar, monkeypatch) -> None:
         for _ in range(3):
             told.search(q, k=1)  # alone: spins first
         assert spins == [50_000] * 3, spins
-        barrier = threading.Barrier(12)
+        barrier = threading.Barrier(13)  # 12 callers and this thread
         errors: list[BaseException] = []
 
         def crowd() -> None:
             try:
                 for _ in range(4):
-                    barrier.wait(TIMEOUT)
+                    barrier.wait(TIMEOUT)  # the sidecar is stopped: every call waits at once
                     told.search(q, k=1)
+                    barrier.wait(TIMEOUT)  # the round is over
             except BaseException as exc:  # reported below
                 errors.append(exc)
+                barrier.abort()
 
         spins.clear()
         threads = [threading.Thread(target=crowd) for _ in range(12)]
         for t in threads:
             t.start()
+        for _ in range(4):
+            sc.process.send_signal(signal.SIGSTOP)
+            try:
+                barrier.wait(TIMEOUT)
+                time.sleep(0.1)
+            finally:
+                sc.process.send_signal(signal.SIGCONT)
+            barrier.wait(TIMEOUT)
         for t in threads:
             t.join(TIMEOUT)
         assert not errors, errors[0]
-        assert len(spins) == 48 and spins.count(0) >= 12, spins
+        assert len(spins) == 48 and spins.count(0) >= 24, spins  # 2 of each 12 may spin
         assert shm._waiting.value == 0  # every caller counted out
         # as many spinning in other client processes of the sidecar (its poller's count in
         # the control segment, here a word of the test's): it parks at once
