@@ -642,6 +642,7 @@ class Poller:
         (``publish``: a batch's leaves the wake to the waker's thread)."""
         _pack_response(ch.buf, _RESP_STATUS, status, 0, n, queue_ns, compute_ns, write_ns)
         ch.last_seq = seq
+        ch.taken = 0  # (a client that rewinds its sequence numbers may send this one again)
         publish(ch.resp_seq, seq, ch.client_parked, ch.client_bell)
         ch.requests += 1
         metrics = self.metrics
