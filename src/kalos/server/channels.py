@@ -113,6 +113,12 @@ class ServerChannel:
         return int(_native.load_acquire(self._view)) - 1
 
 
+def _batch_failed(members: int) -> None:
+    """Logs a bug in the batch path (with its traceback): its members are served each alone,
+    so that it fails only itself."""
+    log.exception("a batch of %d failed; serving each alone", members)
+
+
 class _Flight:
     """A batch between its decode and its replies (Poller._serve_together): its BatchRun
     (None: each member alone), members, (channel, seq, op, queue ns) of each, when its first
@@ -470,7 +476,7 @@ class Poller:
                 return
             for start in range(0, len(batch), self._batch_max):
                 part = batch[start : start + self._batch_max]
-                if len(part) == 1 and self._flight is None:
+                if len(part) == 1:
                     self.serve(*part[0])
                 else:
                     self._serve_together(part)
@@ -548,7 +554,7 @@ class Poller:
                 assert nxt.run is not None
                 nxt.run.add(members)
         except Exception:  # a bug in the batch path: each alone, so it fails only itself
-            log.exception("a batch of %d failed; serving each alone", len(members))
+            _batch_failed(len(members))
             assert nxt is not None
             nxt.run = None
         nxt.members += members
@@ -583,7 +589,7 @@ class Poller:
                     try:
                         running = nxt.run.start()
                     except Exception:
-                        log.exception("a batch of %d failed; serving each alone", len(nxt.members))
+                        _batch_failed(len(nxt.members))
                         nxt.run = None
                 self.batch_dispatch_ns += _monotonic_ns() - t
                 if running:
@@ -617,7 +623,7 @@ class Poller:
             try:
                 results = flight.run.finish()
             except Exception:
-                log.exception("a batch of %d failed; serving each alone", len(flight.members))
+                _batch_failed(len(flight.members))
         if results is None:
             results = [self._handle(*m) for m in flight.members]
         flight.results = results
