@@ -193,7 +193,7 @@ def test_batches_run_ahead_on_the_gpu_and_stay_exact(gpu_sidecar):
                     k = (1, 10, 10, 100)[(t + r) % 4]
                     got = c.search(q, k, payloads=False, copy=True)
                     want, _ = exact_topk(base16, q, k)
-                    assert_same_topk(got.ids[0], got.scores[0], want, ids, base16, q)
+                    assert_same_topk(got.ids, got.scores, want, ids, base16, q)
         except BaseException as exc:
             errors.append(exc)
 

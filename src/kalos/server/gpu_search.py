@@ -448,7 +448,7 @@ class GpuSearch:
         self.stream = torch.cuda.current_stream(index.device)
         self._graphs: dict[tuple[int, int, bool], _HostResultGraph] = {}
         self._running: _Running | None = None  # a batch's search started and not waited for
-        self._started_on: set[int] = set()  # threads that made the device's context current
+        self._current_on: set[int] = set()  # threads that made the device's context current
         # The GPU's own pickup of a channel's next search (server.doorbell), where the kernel
         # can publish; None: every request goes through the sidecar.
         self.doorbell: Doorbell | None = None
@@ -558,6 +558,14 @@ class GpuSearch:
         if self.doorbell is not None:
             self.doorbell.settle()
 
+    def _make_current(self) -> None:
+        """The driver's graph launches need the device's context current on the calling
+        thread (the poller, a gRPC worker, the listener): made so once a thread."""
+        thread = threading.get_ident()
+        if thread not in self._current_on:
+            driver.ensure_context(self.device)
+            self._current_on.add(thread)
+
     def start(
         self, queries: np.ndarray, k: int, scope: tuple[int, int, int] | None
     ) -> _Running | None:
@@ -577,10 +585,7 @@ class GpuSearch:
             graph = self._graphs[key] = _HostResultGraph(
                 self.index, nq, k, scope is not None, self.staging
             )
-        thread = threading.get_ident()
-        if thread not in self._started_on:  # the driver's launch needs the context current
-            driver.ensure_context(self.device)
-            self._started_on.add(thread)
+        self._make_current()
         self._stage(queries, scope)
         launch = graph.start(self.stream)
         if launch is None:
@@ -610,6 +615,7 @@ class GpuSearch:
         if nq > self.max_batch or k > 1024:
             scores, ids = self.index.search(queries, k, scope=scope)
         else:
+            self._make_current()
             key = (nq, k, scope is not None)
             graph = None
             if pinned is not None and out is not None:
@@ -652,6 +658,7 @@ class GpuSearch:
         Returns once the results are complete in device memory."""
         if self._running is not None:
             self._running.land()
+        self._make_current()
         key = (nq, k, scope is not None, queries is None)
         graph = buffer.graphs.get(key)
         if graph is None:
