@@ -193,6 +193,7 @@ def test_load_bench(tmp_path):
         assert (system, True) in systems and (system, False) in systems  # closed, then swept
     assert {r["system"] for r in tasks["rows"]} == {"kalos-shm-async"}
     assert threads["checks"]["sidecar_stats"]["unbatched"]["batches"] == 0
+    assert threads["checks"]["systems_pending"] == []
     for r in threads["rows"]:  # each kalos row: the sidecar's batches during that run
         if r["system"].startswith("kalos-shm"):
             b = r["sidecar_batches"]
@@ -214,6 +215,30 @@ def test_load_bench(tmp_path):
     rc, appended = _bench(tmp_path, *args)
     assert rc == 0 and [s["params"]["n"] for s in appended] == [2000, 2000, 1000]
     assert appended[2]["rows"][0]["system"] == "torch-lock"
+
+
+def test_load_bench_keeps_each_system_it_measured(tmp_path, monkeypatch):
+    """The file is written after each system: a run cut short (here a system that raises)
+    keeps the rows of those before it and names the systems it did not reach."""
+    pytest.importorskip("torch")
+    from kalos.bench import load
+
+    def broken(*args, **kwargs):
+        raise KeyboardInterrupt("cut short")
+
+    monkeypatch.setattr(load, "torch_batched", broken)
+    args = build_parser().parse_args(
+        ["bench", "load", "--corpus", "clustered", "--n", "500", "--dim", "64", "--queries",
+         "20", "--processes", "1", "--threads", "1", "--duration", "0.2", "--fractions", "0.5",
+         "--systems", "torch-lock", "torch-batched", "--out", str(tmp_path), "--machine",
+         "test", "--quiet"]
+    )  # fmt: skip
+    with pytest.raises(KeyboardInterrupt):
+        args.func(args)
+    (kept,) = json.loads((tmp_path / "load-test.json").read_text())
+    assert {r["system"] for r in kept["rows"]} == {"torch-lock"}
+    assert kept["checks"]["systems_pending"] == ["torch-batched"]
+    assert not (tmp_path / "load-test.png").exists()  # the plot comes with the whole run
 
 
 def test_a_failing_client_process_says_why(tmp_path):

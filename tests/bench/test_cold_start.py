@@ -21,6 +21,16 @@ def test_cold_start_reports_both_starts_and_checks_every_answer():
             assert r[part]["searches"] == count
             assert r[part]["timeouts"] == 0 and r[part]["wrong"] == 0
             assert 0 < r[part]["p50_us"] <= r[part]["p99_us"] <= r[part]["max_us"]
+            slowest = r[part]["slowest"]
+            assert len(slowest) == cold_start.SLOWEST
+            assert slowest[0]["us"] == r[part]["max_us"]
+            assert [x["us"] for x in slowest] == sorted((x["us"] for x in slowest), reverse=True)
+            for x in slowest:
+                assert 0 <= x["search"] < count and x["k"] in cold_start.KS
+            shapes = r[part]["by_shape"]
+            assert sorted(shapes) == sorted(f"k={k}{s}" for k in cold_start.KS
+                                            for s in ("", ",scoped"))  # fmt: skip
+            assert sum(x["searches"] for x in shapes.values()) == count
         assert r["first_max_over_steady_p99"] > 0
 
 

@@ -184,6 +184,7 @@ def test_uniform_and_the_argument_checks():
 
 def test_benchmark_sets_parse():
     from kalos.cli import build_parser
+    from kalos.index.cuda_flat import parse_spec
 
     assert corpora.parse_set("clustered:10000000x128") == ("clustered", 10_000_000, 128)
     assert corpora.parse_set("real-384:1000000") == ("real-384", 1_000_000, None)
@@ -194,6 +195,9 @@ def test_benchmark_sets_parse():
     args = build_parser().parse_args(["bench", "search-gpu"])
     assert [name for name, _, _ in args.sets] == ["real-384", "real-128", "clustered",
                                                   "clustered", "uniform"]  # fmt: skip
+    assert args.scan == "auto"
     args = build_parser().parse_args(["bench", "search-gpu", "--sets", "uniform:1000x64"])
     assert args.sets == [("uniform", 1000, 64)]
+    args = build_parser().parse_args(["bench", "search-gpu", "--scan", "4bit"])
+    assert parse_spec(f"cuda:flat,fp16,scan={args.scan}") == ("cuda", "fp16", "4bit")
     assert build_parser().parse_args(["bench", "search-cpu"]).corpus == "real-384"

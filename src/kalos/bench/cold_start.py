@@ -14,7 +14,9 @@ reports:
   how many timed out, and how many were wrong (their ids' exact scores against the exact top-k
   in float32 over the same fp16 rows);
 - ``steady``: the same mix of searches again, after the first; ``first_max_over_steady_p99``
-  is the target's ratio (at most 2);
+  is the target's ratio (at most 2); each part's ``slowest`` lists its :data:`SLOWEST`
+  slowest searches: their place in the part (from 0), k, whether scoped, and µs, and
+  ``by_shape`` the p50 and p99 of each (k, scoped);
 - ``stop_s``: SIGTERM to exit.
 """
 
@@ -37,6 +39,7 @@ from kalos.types import Scope
 
 USERS = 8
 KS = (1, 10, 100)
+SLOWEST = 8  # the slowest searches of each part, reported with their place and shape
 SCOPED_USER = "u3"
 
 
@@ -113,9 +116,20 @@ def _searches(client: Any, queries: np.ndarray, count: int, offset: int, ref: _R
         pos = np.array([pos_of.get(int(x), -1) for x in r.ids], np.int64)
         wrong += int(ref.wrong(q, k, scoped, pos))
     us = lat / 1e3
+    shapes = [_mix(offset + j) for j in range(count)]
+    by_shape = {}
+    for k, scoped in sorted(set(shapes)):
+        mine = us[[j for j in range(count) if shapes[j] == (k, scoped)]]
+        by_shape[f"k={k}{',scoped' if scoped else ''}"] = {
+            "searches": len(mine), "p50_us": round(float(np.percentile(mine, 50)), 1),
+            "p99_us": round(float(np.percentile(mine, 99)), 1)}  # fmt: skip
+    slowest = [{"search": int(j), "k": _mix(offset + int(j))[0],
+                "scoped": _mix(offset + int(j))[1], "us": round(float(us[j]), 1)}
+               for j in np.argsort(-us, kind="stable")[:SLOWEST]]  # fmt: skip
     return {"searches": count, "p50_us": round(float(np.percentile(us, 50)), 1),
             "p99_us": round(float(np.percentile(us, 99)), 1), "max_us": round(float(us.max()), 1),
-            "timeouts": timeouts, "wrong": wrong}  # fmt: skip
+            "timeouts": timeouts, "wrong": wrong, "by_shape": by_shape,
+            "slowest": slowest}  # fmt: skip
 
 
 def measure(torch: Any, db: np.ndarray, ids: np.ndarray, queries: np.ndarray,

@@ -31,7 +31,9 @@ Every answer is checked, tie-aware, against an exact float32 reference computed 
 system at one offered rate (``offered_qps``; ``null``: closed loop; a kalos shm row's
 ``sidecar_batches``: the batches of two or more the sidecar formed meanwhile, their mean size
 and the share of the searches they answered), and a PNG of p50, p99 and p99.9 against
-achieved searches per second.
+achieved searches per second. The file is written again after each system, so a run cut
+short keeps the systems it measured (``checks.systems_pending``: those it did not reach; the
+PNG comes with the whole run).
 """
 
 from __future__ import annotations
@@ -604,6 +606,50 @@ def _run(args: argparse.Namespace) -> int:
             print(f"  {system}: offered {rate:,.0f}/s achieved {r.get('qps', 0):,.0f}/s "
                   f"p99 {r.get('p99_us', 0):,.0f} µs")  # fmt: skip
 
+    params = {
+        "corpus": corpus.name, "n": args.n, "dim": dim, "dtype": "float32", "k": args.k,
+        "device": args.device, "duration_s": args.duration, "compute_threads": 1,
+        "batch_delay_us": args.batch_delay_us, "corpus_info": corpus.info,
+        "load_average": loads,
+    }  # fmt: skip
+
+    def save(pending: list[str]) -> tuple[str, list[dict[str, Any]]]:
+        """Writes the file with every row so far (after each system, so that a run cut short
+        keeps what it measured; ``checks.systems_pending`` names the systems it did not
+        reach); returns its path and the document."""
+        done = {**checks, **saturation_summary(rows), "systems_pending": pending}
+        path = write_result(SCENARIO, args.machine, {**params, "clients": layouts["threads"]},
+                            rows["threads"], args.out, checks=done)  # fmt: skip
+        # one file, one parameter set per client layout (with --append, beside the file's
+        # others)
+        with open(path) as f:
+            first = json.load(f)
+        doc = [first] if rows["threads"] else []
+        if rows["asyncio"]:
+            second = dict(first, params={**params, "clients": layouts["asyncio"]},
+                          rows=rows["asyncio"])  # fmt: skip
+            doc.append(second)
+        if args.append and previous is not None:
+
+            def key(s: dict[str, Any]) -> tuple[Any, ...]:
+                p = s.get("params", {})
+                return (p.get("corpus"), p.get("n"), p.get("dim"), p.get("device"),
+                        p.get("clients"))  # fmt: skip
+
+            replaced = {key(s) for s in doc}
+            doc = [s for s in previous if key(s) not in replaced] + doc
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=2)
+            f.write("\n")
+        return path, doc
+
+    order = [s for b in (True, False) for s in args.systems
+             if s.startswith("kalos") and s.endswith("-unbatched") != b]  # fmt: skip
+    order += [s for s in args.systems if not s.startswith("kalos")]
+
+    def ran(system: str) -> None:
+        save(order[order.index(system) + 1 :])
+
     data = {
         "queries": queries,
         "k": args.k,
@@ -655,6 +701,7 @@ def _run(args: argparse.Namespace) -> int:
                 finally:
                     fleet.close()
                 loads.append(load_average())
+                ran(system)
             checks.setdefault("sidecar_stats", {})["batched" if batched else "unbatched"] = {
                 key: loader.stats().get(key) for key in ("batches", "batched", "largest_batch")
             }
@@ -673,6 +720,7 @@ def _run(args: argparse.Namespace) -> int:
                 except Exception as exc:  # no redis-server here: the row says so
                     print(f"  {system}: skipped ({exc})")
                     rows["threads"].append({"system": system, "skipped": str(exc)})
+                    ran(system)
                     continue
 
             pool = CallerPool(make, clients, ref, len(queries))
@@ -687,8 +735,8 @@ def _run(args: argparse.Namespace) -> int:
             if stop is not None:
                 stop()
         loads.append(load_average())
+        ran(system)
 
-    sets = []
     for layout, what in layouts.items():
         if not rows[layout]:
             continue
@@ -696,37 +744,9 @@ def _run(args: argparse.Namespace) -> int:
         print_table(
             rows[layout], ("system", "offered_qps", "qps", "p50_us", "p99_us", "p999_us", "wrong")
         )
-        sets.append((layout, what))
-    summary = saturation_summary(rows)
-    checks.update(summary)
-    print({k: v for k, v in checks.items() if k != "sidecar_stats"})
-    params = {
-        "corpus": corpus.name, "n": args.n, "dim": dim, "dtype": "float32", "k": args.k,
-        "device": args.device, "duration_s": args.duration, "compute_threads": 1,
-        "batch_delay_us": args.batch_delay_us, "corpus_info": corpus.info,
-        "load_average": loads,
-    }  # fmt: skip
-    path = write_result(SCENARIO, args.machine, {**params, "clients": layouts["threads"]},
-                        rows["threads"], args.out, checks=checks)  # fmt: skip
-    # one file, one parameter set per client layout (with --append, beside the file's others)
-    with open(path) as f:
-        first = json.load(f)
-    doc = [first] if rows["threads"] else []
-    if rows["asyncio"]:
-        second = dict(first, params={**params, "clients": layouts["asyncio"]}, rows=rows["asyncio"])
-        doc.append(second)
-    if args.append and previous is not None:
-
-        def key(s: dict[str, Any]) -> tuple[Any, ...]:
-            p = s.get("params", {})
-            return (p.get("corpus"), p.get("n"), p.get("dim"), p.get("device"), p.get("clients"))
-
-        replaced = {key(s) for s in doc}
-        doc = [s for s in previous if key(s) not in replaced] + doc
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=2)
-        f.write("\n")
-    print(f"wrote {path}")
+    print({k: v for k, v in {**checks, **saturation_summary(rows)}.items()
+           if k != "sidecar_stats"})  # fmt: skip
+    path, doc = save([])
     png = plot_curves(path, doc)
     if png:
         print(f"wrote {png}")

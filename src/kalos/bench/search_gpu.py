@@ -70,6 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "sidecar: 200)")  # fmt: skip
     p.add_argument("--compare-rows", type=int, default=2_000_000,
                    help="largest index also timed through a --no-gpu-doorbell sidecar")  # fmt: skip
+    p.add_argument("--scan", choices=("auto", "4bit", "int8", "full"), default="auto",
+                   help="the index's first pass for single-query searches (cuda:flat's scan=): "
+                        "auto, the default, picks by dim")  # fmt: skip
     p.add_argument("--no-cold-start", dest="cold_start", action="store_false",
                    help="skip the first set's cold start (kalos.bench.cold_start)")  # fmt: skip
     add_affinity_argument(p, cpus="last two CPUs")
@@ -169,7 +172,8 @@ def _run_size(args: argparse.Namespace, torch: Any, corpus: corpora.Corpus, bw: 
     rows: list[dict[str, Any]] = []
 
     # Kernel alone: the same index class in this process, one graph replay per search.
-    index = CudaFlatIndex(dim=dim, metric="ip", spec="cuda:flat,fp16")
+    spec = f"cuda:flat,fp16,scan={args.scan}"
+    index = CudaFlatIndex(dim=dim, metric="ip", spec=spec)
     index.reserve(n)
     index.add(db, ids_t)
     graph = index.graph(1, k)
@@ -297,7 +301,7 @@ def _run_size(args: argparse.Namespace, torch: Any, corpus: corpora.Corpus, bw: 
     floor_us = n * dim * 2 / bw * 1e6
     with tempfile.TemporaryDirectory(prefix="kalos-bench-") as rd, isolated_sidecar(
         dim=dim, name="bench-gpu", runtime_dir=rd,
-        extra_args=("--device", "cuda", "--reserve", str(n)),
+        extra_args=("--device", "cuda", "--index", spec, "--reserve", str(n)),
     ) as sidecar:  # fmt: skip
         _load(sidecar, db, ids, n, dim)
         # the sidecar on two CPUs of its own (its poller spins in the stream sync; its other
