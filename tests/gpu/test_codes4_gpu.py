@@ -72,3 +72,20 @@ def test_every_rows_bounds_hold_at_1m(rows_1m):
     assert np.all(upper >= exact), "an upper bound below the exact score"
     assert np.all(upper - 2 * width <= exact), "a lower bound above the exact score"
     assert 0 < int(ws["status"][1]) <= len(x)  # the rows the bounds leave open, exact-scored
+
+
+@pytest.mark.parametrize("dim", [768, 1536])
+def test_cascade_above_512_dims_matches_float64_reference(dim):
+    """scan=4bit at the dims where scan=auto takes the full scan (the bounds pass's launch
+    shape changes with the row's bytes: codes4.choose_config)."""
+    rng = np.random.default_rng(dim)
+    x = anisotropic(rng, 600_000, dim)
+    queries = anisotropic(rng, 4, dim)
+    idx = CudaFlatIndex(dim=dim, metric="ip", spec="cuda:flat,fp16,scan=4bit", scan="4bit")
+    ids = np.arange(1, len(x) + 1, dtype=np.int64) * 3
+    idx.add(x, ids)
+    assert len(idx) >= idx.prefilter_min_rows  # single queries take the cascade
+    for q in queries[:2]:
+        check_search(idx, x, ids, None, q, 10)
+    check_graph_search(idx, x, ids, None, queries[2], 10)
+    check_graph_search(idx, x, ids, None, queries[3], 1)

@@ -44,7 +44,14 @@ def candidates(idx: CudaFlatIndex, k: int) -> int:
 
 @pytest.mark.parametrize(
     "metric,dim,n,k",
-    [("ip", 384, 420, 10), ("cosine", 96, 500, 7), ("l2", 200, 360, 16), ("ip", 64, 300, 1)],
+    [
+        ("ip", 384, 420, 10),
+        ("cosine", 96, 500, 7),
+        ("l2", 200, 360, 16),
+        ("ip", 64, 300, 1),
+        ("ip", 768, 300, 10),
+        ("cosine", 1536, 260, 10),
+    ],
 )
 def test_cascade_matches_float64_reference(metric, dim, n, k):
     rng = np.random.default_rng(dim + n + k)
