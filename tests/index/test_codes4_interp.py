@@ -208,3 +208,33 @@ def test_emit_lists_every_live_row_whose_bound_reaches_the_floor(programs):
     got = np.sort(rows.numpy()[: int(count[0])])
     np.testing.assert_array_equal(got, want)
     assert int(thr[0]) == none and int(ticket[0]) == 0
+
+
+def test_graphs_share_the_row_scratch_and_stay_exact_interleaved():
+    """Every graph of an index reads one copy of the rows' bounds and open rows (O(k) of
+    device memory a graph, not O(rows)): searches of different shapes in turn stay exact, a
+    scoped one after an unscoped one included (each rewrites every live row's bound, -inf
+    where filtered out, before reading it)."""
+    rng = np.random.default_rng(31)
+    dim, n = 288, 420
+    idx = cascade_index("ip", dim)
+    x = anisotropic(rng, n, dim)
+    ids = np.arange(1, n + 1, dtype=np.int64) * 5
+    scopes = np.stack([rng.integers(1, 3, n), rng.integers(1, 5, n), np.zeros(n, int)], 1)
+    idx.add(x, ids, scopes)
+    qs = anisotropic(rng, 3, dim)
+    for q in qs:
+        wide = check_graph_search(idx, x, ids, scopes, q, 10)
+        narrow = check_graph_search(idx, x, ids, scopes, q, 5, scope=(2, 3, 0))
+        check_search(idx, x, ids, scopes, q, 7, scope=(1, 0, 0))
+        one = check_graph_search(idx, x, ids, scopes, q, 1)
+    graphs_ws = [g._ws[1] for g in (wide, narrow, one)]
+    for name in ("upper", "rows"):
+        assert len({ws[name].data_ptr() for ws in graphs_ws}) == 1, name
+    assert (
+        idx._workspace(1, 10, prefilter=True)["upper"].data_ptr() == wide._ws[1]["upper"].data_ptr()
+    )
+    # storage that moves takes fresh scratch, and the graphs recapture onto it
+    idx.reserve(4 * n)
+    check_graph_search(idx, x, ids, scopes, qs[0], 10, scope=(1, 2, 0))
+    assert idx._workspace(1, 10, prefilter=True)["upper"].shape == (idx._cap,)

@@ -208,6 +208,8 @@ class CudaFlatIndex:
         self._map: dict[int, int] | None = {}  # id -> row; None = rebuild from _row_ids
         self._sorted: Any = None  # (live ids sorted, their rows) on the device; None: stale
         self._workspaces: dict[tuple[int, int, bool], dict[str, Any]] = {}
+        # the workspaces' row-sized scratch, one of each shape (_shared)
+        self._scratch: dict[tuple[str, tuple[int, ...]], Any] = {}
         # device storage, set by _alloc: vectors [cap, dim], ids [cap], scopes [3, cap], sq [cap]
         self._vecs: Any = None
         self._ids: Any = None
@@ -308,6 +310,7 @@ class CudaFlatIndex:
         self._cap = cap
         self._generation += 1
         self._workspaces.clear()
+        self._scratch.clear()
 
     def reserve(self, capacity: int) -> None:
         """Grow the device storage to at least ``capacity`` rows now, so that adds up to it
@@ -786,13 +789,13 @@ class CudaFlatIndex:
             ws["cand"] = torch.empty((nq, p, lists), dtype=torch.int64, device=dev)
             # an unproven search settles from every row's bound (_launch_settle): the bounds,
             # the floor (the emit's state: thr, slots), the rows left open and their count
-            ws["upper"] = torch.full((self._cap,), -math.inf, dtype=torch.float32, device=dev)
+            ws["upper"] = self._shared("upper", (self._cap,), torch.float32)
             ws["floor"] = (
                 torch.full((1,), none, dtype=torch.int64, device=dev),
                 torch.full((1, kern.key_width(k)), none, dtype=torch.int64, device=dev),
             )
             ws["count"] = torch.zeros(1, dtype=torch.int32, device=dev)
-            ws["rows"] = torch.zeros(self._cap, dtype=torch.int32, device=dev)
+            ws["rows"] = self._shared("rows", (self._cap,), torch.int32)
             ws["emit_ticket"] = torch.zeros(1, dtype=torch.int32, device=dev)
         elif self._two_pass(nq, k):
             cfg = self._config(nq, k)
@@ -822,12 +825,25 @@ class CudaFlatIndex:
             qc = max(1, min(nq, _GENERAL_PATH_BYTES // (8 * self._cap)))
             kk = min(k, self._cap)
             ws.update(chunk=qc, kk=kk)
-            ws["keys"] = torch.empty((qc, self._cap), dtype=torch.int64, device=dev)
+            ws["keys"] = self._shared("keys", (qc, self._cap), torch.int64)
             ws["top"] = torch.empty((qc, kk), dtype=torch.int64, device=dev)
             ws["top_idx"] = torch.empty((qc, kk), dtype=torch.int64, device=dev)
         if not private:
             self._workspaces[key] = ws
         return ws
+
+    def _shared(self, name: str, shape: tuple[int, ...], dtype: Any) -> Any:
+        """Scratch of ``shape`` that every workspace of this index shares, graphs' private ones
+        too: a row's bound (``upper``), the rows a search left open (``rows``), the general
+        path's keys. Searches run one after another on one stream, and each writes what it
+        reads of these first (every live row's bound, -inf where filtered out; the open rows
+        from 0 up to its own count), so one copy serves them all: a channel's graphs cost
+        O(k) of device memory, not O(rows) each. Dropped when storage moves."""
+        key = (name, shape)
+        t = self._scratch.get(key)
+        if t is None:
+            t = self._scratch[key] = self._torch.empty(shape, dtype=dtype, device=self.device)
+        return t
 
     def _workspace4(self, k: int) -> dict[str, Any]:
         """The 4-bit cascade's scratch for one query (kernels.codes4): the bounds pass's state
@@ -852,13 +868,13 @@ class CudaFlatIndex:
                 torch.full((reps, kp), none, dtype=torch.int64, device=dev),
                 torch.empty((1, kern.survivors_width(k)), dtype=torch.int64, device=dev),
             ),
-            "upper": torch.empty(self._cap, dtype=torch.float32, device=dev),
+            "upper": self._shared("upper", (self._cap,), torch.float32),
             "qc": torch.zeros((c4.chunks(self.dim), 4, 8), dtype=torch.int32, device=dev),
             "qf": torch.zeros(
                 c4.QF_FIXED + 2 * c4.chunks(self.dim), dtype=torch.float32, device=dev
             ),
             "count": torch.zeros(1, dtype=torch.int32, device=dev),
-            "rows": torch.zeros(self._cap, dtype=torch.int32, device=dev),
+            "rows": self._shared("rows", (self._cap,), torch.int32),
             "emit_ticket": torch.zeros(1, dtype=torch.int32, device=dev),
             "status": torch.zeros(2, dtype=torch.int32, device=dev),
             "exact": self._workspace(1, k, private=True),
