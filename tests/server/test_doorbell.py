@@ -39,7 +39,7 @@ from kalos.protocol.messages import Scope
 from kalos.server.channels import Poller, ServerChannel
 from kalos.server.config import SidecarConfig
 from kalos.server.dispatch import Dispatcher
-from kalos.server.gpu_search import GpuSearch
+from kalos.server.gpu_search import WARM_K, GpuSearch
 from kalos.stores.memories import MemoryStore
 from kalos.transport.memory import SharedMemory, create
 
@@ -132,6 +132,7 @@ def served(monkeypatch, request):
     for cid in (1, 2):
         ch = ServerChannel(cid, 7, L.MIN_ARENA_BYTES)
         ch.pinned = gpu.pin(ch.resp_arena, ch.buf[: L.CHANNEL_HEADER_SIZE], ch.req_arena)
+        gpu.prepare(ch.pinned, ch.resp_arena)  # as the listener does at the handshake
         channels.append(ch)
     assert len(registered) == 6  # each channel: response arena, header page, request arena
     poller = Poller(ctrl, dispatcher.handle, threading.Lock(), spin_us=100, heartbeat_ms=100)
@@ -156,6 +157,24 @@ def query(seed: int, dtype=np.float32, dim: int = DIM) -> np.ndarray:
     q = np.random.default_rng(seed).standard_normal(dim).astype(np.float32)
     base = unprovable_rows(np.random.default_rng(5), dim)[2]
     return (-q if q @ base > 0 else q).astype(dtype)
+
+
+def test_a_channel_holds_its_common_graphs_before_its_first_search(served):
+    """The handshake prepares a channel's search graphs of the common shapes (one query, each
+    k of WARM_K, scoped or not): its first searches of them take those graphs, capture none,
+    and are exact. What a capture's run publishes is the channel's own response word."""
+    ch = served.channels[1]
+    graphs = dict(ch.pinned.graphs)
+    assert set(graphs) == {(1, k, scoped) for k in WARM_K for scoped in (False, True)}
+    assert int(served.gpu.staging.seq_np[0]) == _native.load_acquire(ch.pinned.resp_seq_addr)
+    for i, k in enumerate(WARM_K):
+        for scope, code in ((ACME, 1), (None, None)):
+            q = query(40 + i)
+            status, _, _, scores, got = served.search(q, k=k, scope=scope, ch=1)
+            assert status == Status.OK
+            check_result(served.memories.index, served.x, served.ids, served.scopes, q[None],
+                         k, scores, got, scope=None if code is None else (code, 0, 0))  # fmt: skip
+    assert ch.pinned.graphs == graphs  # the same graphs, no other
 
 
 def test_the_gpu_takes_the_next_search_of_the_same_shape(served):

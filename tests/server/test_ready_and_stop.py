@@ -46,6 +46,9 @@ class StandInGpu:
     def pin(self, *arenas):  # a channel's connect: no GPU here, its searches stay on the CPU
         return None
 
+    def prepare(self, pinned, arena) -> None:  # nor graphs to capture for it
+        pass
+
 
 def state(sidecar: Sidecar) -> int:
     return int(_native.load_acquire(sidecar.control.addr + L.CTRL_STATE))

@@ -544,6 +544,34 @@ class GpuSearch:
         driver.ensure_context(self.device)
         return PinnedArena(arena[: min(len(arena), PINNED_BYTES)], header, request, self.doorbell)
 
+    def prepare(self, pinned: PinnedArena, arena: np.ndarray) -> None:
+        """A new channel's own search graphs of the common shapes (one query, each k of
+        :data:`WARM_K`, with and without a scope filter), captured now, at its handshake and
+        under the dispatch lock, so that none of the channel's first searches waits for a
+        capture (some ms each, every other channel's requests waiting behind it too). Its
+        other shapes are still captured on first use. ``arena``: the channel's response
+        arena, whose start ``pinned`` registers. Cheap in GPU memory: the graphs' row-sized
+        scratch is the index's one copy (``CudaFlatIndex._shared``)."""
+        from kalos.protocol import messages as M
+
+        # a capture runs its graph once: what a publishing kernel stores into the channel's
+        # response word is that word's own value (no request of the channel is armed)
+        if pinned.resp_seq_addr:
+            self.staging.seq_np[0] = _native.load_acquire(pinned.resp_seq_addr)
+        for scoped in (False, True):
+            for k in WARM_K:
+                key = (1, k, scoped)
+                if key in pinned.graphs:
+                    continue
+                _, scores, ids = M.search_response_views(arena, 1, k)
+                graph = _HostResultGraph(
+                    self.index, 1, k, scoped, self.staging, (scores, ids), pinned
+                )
+                graph._ensure(graph.prefilter)
+                pinned.graphs[key] = graph
+        if self.index._on_gpu:  # the captures' runs wrote into the registered arena
+            self.stream.synchronize()
+
     def unpin(self, pinned: PinnedArena) -> None:
         """Undoes :meth:`pin` (under the dispatch lock): nothing armed on it any more."""
         if self.doorbell is not None:

@@ -197,6 +197,7 @@ class Listener:
                     ch.pinned = self.gpu.pin(
                         ch.resp_arena, ch.buf[: L.CHANNEL_HEADER_SIZE], ch.req_arena
                     )
+                    self.gpu.prepare(ch.pinned, ch.resp_arena)
                     if hello.get("gpu_results"):
                         ch.gpu = self.gpu.new_result_buffer()
                 if ch.gpu is not None:
