@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -251,3 +252,25 @@ def test_a_failing_client_process_says_why(tmp_path):
             "ref": None}  # fmt: skip
     with pytest.raises(RuntimeError, match=r"client process \d+ failed: ConnectError"):
         ClientFleet(target, data, 1, asyncio_mode=False)
+
+
+def test_an_open_loops_latency_starts_at_the_arrival_or_when_an_idle_caller_woke():
+    """An idle caller's late timer is the load generator's, not the system's; a caller still
+    busy with its last search when the next is due counts that wait (coordinated omission)."""
+    from kalos.bench.load import arrived, caller_loop
+
+    assert arrived(at=1.0, before=0.9, woke=1.0002) == 1.0002  # slept, woke late
+    assert arrived(at=1.0, before=0.9, woke=1.0) == 1.0
+    assert arrived(at=1.0, before=1.3, woke=1.3) == 1.0  # busy until after the arrival
+
+    class Ok:
+        def ok(self, i, got):
+            return True
+
+    def slow(i):  # every search 20 ms, at 200 arrivals a second: the caller falls behind
+        time.sleep(0.02)
+        return np.zeros(1, np.int64)
+
+    lat, wrong, _ = caller_loop(slow, Ok(), 4, 200.0, time.monotonic(), 0.3, seed=1)
+    assert wrong == 0 and len(lat) > 5
+    assert max(lat) > 0.06  # the queue behind the slow searches is in the latencies
