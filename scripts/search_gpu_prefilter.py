@@ -9,8 +9,14 @@ bandwidth), and over ``--check`` distinct queries how often the bound proved the
 fallback) and how often the ids differed from the full scan's (must be 0).
 
 Usage (CUDA machine): ``python3 scripts/search_gpu_prefilter.py --out DIR [--sizes 1000000x128]
-[--grid] [--only default-dot ...] [--tag -grid]``; writes ``search-gpu-prefilter-H200[TAG].json``.
-It measured where the prefilter pays (the prefilter's row threshold; docs/PERFORMANCE.md).
+[--sets real-128:1000000 ...] [--keeps 32 64 128] [--grid] [--only default-dot ...]
+[--tag -grid]``; writes ``search-gpu-prefilter-<GPU>[TAG].json`` (H200, H100). ``--sizes``
+are random normal rows; ``--sets`` the benchmark corpora (kalos.bench.corpora: real text,
+clustered), where some searches are not proven. ``--keeps``: variants that keep that many
+rows for the exact re-rank; each variant's ``graph_p50_us`` / ``graph_p99_us`` are the
+sidecar's whole path (``replay_and_wait``: the proof's check and an unproven search's
+settle), host clocks, one distinct query each. It measured where the prefilter pays (the
+prefilter's row threshold; docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -19,11 +25,13 @@ import argparse
 import datetime
 import json
 import os
+import time
 from typing import Any
 
 import numpy as np
 import torch
 
+from kalos.bench import corpora
 from kalos.bench.search_gpu import _copy_bandwidth, _event_times
 from kalos.index.cuda_flat import CudaFlatIndex
 from kalos.index.kernels import scan_topk as kern
@@ -43,13 +51,20 @@ def _row(name: str, t: np.ndarray, floor: float, **extra: Any) -> dict[str, Any]
 
 def run_size(
     n: int, dim: int, k: int, bw: float, checks: int, reps: int, grid: bool = False,
-    only: list[str] | None = None,
+    only: list[str] | None = None, corpus: corpora.Corpus | None = None,
+    keeps: list[int] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     gen = torch.Generator(device="cuda").manual_seed(n + dim)
-    idx = CudaFlatIndex(dim=dim, metric="ip", spec="cuda:flat,fp16")
+    idx = CudaFlatIndex(dim=dim, metric="ip", spec="cuda:flat,fp16,scan=int8")
     idx.reserve(n)
-    idx.add(torch.randn((n, dim), generator=gen, device="cuda").half(), torch.arange(n).cuda())
-    qs = torch.randn((checks, dim), generator=gen, device="cuda")
+    if corpus is None:
+        rows_ = torch.randn((n, dim), generator=gen, device="cuda").half()
+        qs = torch.randn((checks, dim), generator=gen, device="cuda")
+    else:
+        rows_ = torch.from_numpy(corpus.db).cuda().half()
+        qs = torch.from_numpy(corpus.queries[:checks]).cuda()
+    idx.add(rows_, torch.arange(n).cuda())
+    del rows_
     stream = torch.cuda.current_stream()
     idx.prefilter_min_rows = 0  # the prefilter at every size here
     full = idx.graph(1, k)
@@ -76,6 +91,8 @@ def run_size(
         (f"dot-lists{keep}", kern.PREFILTER_DOT, None, None, keep),
         (f"dot-lists{keep}-w8", kern.PREFILTER_DOT, w8, None, keep),
     ]
+    for kept in keeps or ():  # rows kept for the exact re-rank, lists as the default's
+        variants.append((f"keep{kept}", kern.PREFILTER_DOT, None, kept, None))
     if grid:  # launch shapes around the default (4 warps, its lists)
         for pps in (1, 2, 3, 4):
             for stages in (2, 3, 4):
@@ -100,16 +117,21 @@ def run_size(
             continue
         t = _times(graph.replay, reps)
         got = []
+        host = np.zeros(checks)
         for i in range(checks):
             g.query.copy_(qs[i : i + 1])
+            t0 = time.perf_counter()
             g.replay_and_wait(stream)
+            host[i] = time.perf_counter() - t0
             got.append(g.ids.clone())
         got_ids = torch.cat(got).cpu().numpy()
+        graph_p50, graph_p99 = (round(float(v) * 1e6, 2) for v in np.percentile(host, [50, 99]))
         differ = int((np.sort(got_ids, 1) != np.sort(want_ids, 1)).any(1).sum())
         meta_bytes = 8 if mode == kern.PREFILTER_FMA else 12
         floor = n * (dim + meta_bytes) / bw * 1e6
         cfg_used = g._ws[1]["cfg"]
         rows.append(_row(name, t, floor, fallbacks=g.fallbacks, checks=checks,
+                         graph_p50_us=graph_p50, graph_p99_us=graph_p99,
                          differ_from_full=differ, config=repr(cfg_used), keep=idx._keep(k),
                          programs=g._ws[1]["programs"],
                          surv=g._ws[1]["state"][2].shape[1],
@@ -121,13 +143,33 @@ def run_size(
     idx.prefilter_mode = kern.PREFILTER_DOT
     print(rows[0], flush=True)
     # one row per variant and size, each naming its system (the results shape)
-    return [{"system": r["variant"], "n": n, "dim": dim, "k": k, **r} for r in rows]
+    where = {"corpus": corpus.name if corpus is not None else "normal"}
+    return [{"system": r["variant"], "n": n, "dim": dim, "k": k, **where, **r} for r in rows]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     sizes = ["1000000x128", "10000000x128", "300000x128", "1000000x256", "1000000x64"]
-    ap.add_argument("--sizes", nargs="+", default=sizes)
+    ap.add_argument(
+        "--sizes",
+        nargs="*",
+        default=None,
+        help=f"random normal rows, NxDIM (default, without --sets: {sizes})",
+    )
+    ap.add_argument(
+        "--sets",
+        nargs="*",
+        default=[],
+        type=corpora.parse_set,
+        help="benchmark corpora, CORPUS:N[xDIM] (kalos.bench.corpora)",
+    )
+    ap.add_argument(
+        "--keeps",
+        nargs="*",
+        type=int,
+        default=[],
+        help="variants keeping this many rows for the exact re-rank",
+    )
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--checks", type=int, default=200)
     ap.add_argument("--reps", type=int, default=300)
@@ -137,16 +179,28 @@ def main() -> int:
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     bw = _copy_bandwidth(torch)
-    out: dict[str, Any] = {"scenario": "search-gpu-prefilter", "machine": "H200",
+    gpu = torch.cuda.get_device_name()
+    machine = next((m for m in ("H200", "H100") if m in gpu), "gpu")
+    out: dict[str, Any] = {"scenario": "search-gpu-prefilter", "machine": machine,
                            "date": datetime.date.today().isoformat(),
                            "gpu": torch.cuda.get_device_name(),
                            "copy_bandwidth_TBps": round(bw / 1e12, 3), "rows": []}  # fmt: skip
-    for size in args.sizes:
+    work: list[tuple[str | None, int, int | None]] = []
+    for size in args.sizes if args.sizes is not None else ([] if args.sets else sizes):
         n, dim = (int(v) for v in size.split("x"))
-        out["rows"] += run_size(n, dim, args.k, bw, args.checks, args.reps, args.grid, args.only)
+        work.append((None, n, dim))
+    for name, n, dim in work + list(args.sets):
+        corpus = None
+        if name is not None:  # a benchmark corpus: its own dim
+            corpus = corpora.load(name, n, dim, queries=args.checks)
+            dim = corpus.dim
+        assert dim is not None
+        out["rows"] += run_size(n, dim, args.k, bw, args.checks, args.reps, args.grid, args.only,
+                                corpus, args.keeps)  # fmt: skip
+        del corpus
         torch.cuda.empty_cache()
         if args.out:
-            path = os.path.join(args.out, f"search-gpu-prefilter-H200{args.tag}.json")
+            path = os.path.join(args.out, f"search-gpu-prefilter-{machine}{args.tag}.json")
             with open(path, "w") as f:
                 json.dump(out, f, indent=1)
     return 0
