@@ -35,6 +35,7 @@ class StandInGpu:
         self.started = threading.Event()
         self.release = threading.Event()
         self.precompiled = None  # what a GPU's parallel compile did: nothing here
+        self.prepare_fails = False
 
     def warm(self, stop=None) -> float:
         self.started.set()
@@ -47,7 +48,8 @@ class StandInGpu:
         return None
 
     def prepare(self, pinned, arena) -> None:  # nor graphs to capture for it
-        pass
+        if self.prepare_fails:
+            raise RuntimeError("out of memory")
 
 
 def state(sidecar: Sidecar) -> int:
@@ -88,6 +90,10 @@ def test_readiness_waits_for_the_warm_up(tmp_path):
         assert state(sidecar) == L.STATE_READY and sidecar.listener.ready.is_set()
         assert readyz(sidecar.admin.port) == 200
         assert sidecar.warm_seconds == 1.25
+        with kalos.connect("warm", runtime_dir=str(tmp_path), timeout=TIMEOUT) as client:
+            assert client.stats()["warm_seconds"] == 1.25
+        # a channel whose graphs cannot be captured at its handshake still connects and serves
+        gpu.prepare_fails = True
         with kalos.connect("warm", runtime_dir=str(tmp_path), timeout=TIMEOUT) as client:
             assert client.stats()["warm_seconds"] == 1.25
         metrics = urllib.request.urlopen(

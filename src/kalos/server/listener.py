@@ -197,7 +197,13 @@ class Listener:
                     ch.pinned = self.gpu.pin(
                         ch.resp_arena, ch.buf[: L.CHANNEL_HEADER_SIZE], ch.req_arena
                     )
-                    self.gpu.prepare(ch.pinned, ch.resp_arena)
+                    try:
+                        self.gpu.prepare(ch.pinned, ch.resp_arena)
+                    except Exception as exc:  # the channel still serves: graphs on first use
+                        log.warning(
+                            "channel %d: its search graphs are captured on first use "
+                            "instead: %s: %s", ch.id, type(exc).__name__, exc,
+                        )  # fmt: skip
                     if hello.get("gpu_results"):
                         ch.gpu = self.gpu.new_result_buffer()
                 if ch.gpu is not None:
