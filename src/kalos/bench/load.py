@@ -761,6 +761,7 @@ def _run(args: argparse.Namespace) -> int:
     print({k: v for k, v in {**checks, **saturation_summary(rows)}.items()
            if k != "sidecar_stats"})  # fmt: skip
     path, doc = save([])
+    print(f"wrote {path}")
     png = plot_curves(path, doc)
     if png:
         print(f"wrote {png}")
