@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import time
@@ -34,6 +35,7 @@ import torch
 from kalos.bench import corpora
 from kalos.bench.search_gpu import _copy_bandwidth, _event_times
 from kalos.index.cuda_flat import CudaFlatIndex
+from kalos.index.kernels import codes4
 from kalos.index.kernels import scan_topk as kern
 
 
@@ -52,10 +54,10 @@ def _row(name: str, t: np.ndarray, floor: float, **extra: Any) -> dict[str, Any]
 def run_size(
     n: int, dim: int, k: int, bw: float, checks: int, reps: int, grid: bool = False,
     only: list[str] | None = None, corpus: corpora.Corpus | None = None,
-    keeps: list[int] | None = None,
+    keeps: list[int] | None = None, scan: str = "int8",
 ) -> dict[str, Any]:  # fmt: skip
     gen = torch.Generator(device="cuda").manual_seed(n + dim)
-    idx = CudaFlatIndex(dim=dim, metric="ip", spec="cuda:flat,fp16,scan=int8")
+    idx = CudaFlatIndex(dim=dim, metric="ip", spec=f"cuda:flat,fp16,scan={scan}")
     idx.reserve(n)
     if corpus is None:
         rows_ = torch.randn((n, dim), generator=gen, device="cuda").half()
@@ -93,7 +95,15 @@ def run_size(
     ]
     for kept in keeps or ():  # rows kept for the exact re-rank, lists as the default's
         variants.append((f"keep{kept}", kern.PREFILTER_DOT, None, kept, None))
-    if grid:  # launch shapes around the default (4 warps, its lists)
+    if scan == "4bit":  # the cascade: its bounds pass's launch shapes around its default
+        base4 = codes4.choose_config(dim, True)
+        variants = [("default-dot", kern.PREFILTER_DOT, None, None, None)]
+        for pps, bn, stages in itertools.product((2, 4, 8), (128, 256), (1, 2)) if grid else ():
+            cfg = kern.ScanConfig(**{**{a: getattr(base4, a) for a in kern.ScanConfig.__slots__},
+                                     "block_n": bn, "num_stages": stages,
+                                     "programs_per_sm": pps})  # fmt: skip
+            variants.append((f"pps{pps}-st{stages}-bn{bn}", kern.PREFILTER_DOT, cfg, None, None))
+    elif grid:  # launch shapes around the default (4 warps, its lists)
         for pps in (1, 2, 3, 4):
             for stages in (2, 3, 4):
                 for bn in (128, 256, 512):
@@ -128,7 +138,8 @@ def run_size(
         graph_p50, graph_p99 = (round(float(v) * 1e6, 2) for v in np.percentile(host, [50, 99]))
         differ = int((np.sort(got_ids, 1) != np.sort(want_ids, 1)).any(1).sum())
         meta_bytes = 8 if mode == kern.PREFILTER_FMA else 12
-        floor = n * (dim + meta_bytes) / bw * 1e6
+        row_bytes = codes4.padded_dim(dim) // 2 + 8 if scan == "4bit" else dim + meta_bytes
+        floor = n * row_bytes / bw * 1e6
         cfg_used = g._ws[1]["cfg"]
         rows.append(_row(name, t, floor, fallbacks=g.fallbacks, checks=checks,
                          graph_p50_us=graph_p50, graph_p99_us=graph_p99,
@@ -170,6 +181,13 @@ def main() -> int:
         default=[],
         help="variants keeping this many rows for the exact re-rank",
     )
+    ap.add_argument(
+        "--scan",
+        choices=("int8", "4bit"),
+        default="int8",
+        help="the codes scanned first: the int8 prefilter, or the 4-bit cascade "
+        "(its variants: the default, and with --grid its bounds pass's shapes)",
+    )
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--checks", type=int, default=200)
     ap.add_argument("--reps", type=int, default=300)
@@ -196,7 +214,7 @@ def main() -> int:
             dim = corpus.dim
         assert dim is not None
         out["rows"] += run_size(n, dim, args.k, bw, args.checks, args.reps, args.grid, args.only,
-                                corpus, args.keeps)  # fmt: skip
+                                corpus, args.keeps, args.scan)  # fmt: skip
         del corpus
         torch.cuda.empty_cache()
         if args.out:
