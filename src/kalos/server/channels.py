@@ -34,6 +34,7 @@ import logging
 import struct
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kalos import _native
@@ -117,6 +118,17 @@ def _batch_failed(members: int) -> None:
     """Logs a bug in the batch path (with its traceback): its members are served each alone,
     so that it fails only itself."""
     log.exception("a batch of %d failed; serving each alone", members)
+
+
+def _run_step(flight: _Flight, step: Callable[[], Any]) -> Any:
+    """``step()`` of ``flight``'s BatchRun (its start or finish). Should it fail, the failure
+    is logged and the run dropped (its members are then answered each alone): None."""
+    try:
+        return step()
+    except Exception:
+        _batch_failed(len(flight.members))
+        flight.run = None
+        return None
 
 
 class _Flight:
@@ -584,13 +596,7 @@ class Poller:
                 if len(nxt.members) > self.largest_batch:
                     self.largest_batch = len(nxt.members)
                 t = _monotonic_ns()
-                running = False
-                if nxt.run is not None:
-                    try:
-                        running = nxt.run.start()
-                    except Exception:
-                        _batch_failed(len(nxt.members))
-                        nxt.run = None
+                running = nxt.run is not None and bool(_run_step(nxt, nxt.run.start))
                 self.batch_dispatch_ns += _monotonic_ns() - t
                 if running:
                     nxt.started = _monotonic_ns()
@@ -618,12 +624,7 @@ class Poller:
         t = _monotonic_ns()
         if flight.started:
             self.batch_running_ns += t - flight.started
-        results = None
-        if flight.run is not None:
-            try:
-                results = flight.run.finish()
-            except Exception:
-                _batch_failed(len(flight.members))
+        results = None if flight.run is None else _run_step(flight, flight.run.finish)
         if results is None:
             results = [self._handle(*m) for m in flight.members]
         flight.results = results
