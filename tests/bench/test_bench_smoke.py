@@ -199,14 +199,15 @@ def test_load_bench(tmp_path):
         if r["system"].startswith("kalos-shm"):
             b = r["sidecar_batches"]
             assert {"batches", "mean_batch", "batched_share", "mean_us", "search_us",
-                    "dispatch_us", "busy_share", "woken_share",
+                    "dispatch_us", "busy_share", "running_share", "woken_share",
                     "run_ahead_share"} == set(b)  # fmt: skip
             if r["system"] == "kalos-shm-unbatched":
                 assert b["batches"] == 0 and b["mean_us"] == 0.0
             elif b["batches"]:  # a batch's time holds its search's; the poller's share of the wall
                 assert b["mean_us"] >= b["search_us"] > 0 and b["dispatch_us"] >= 0
                 assert 0 < b["busy_share"] <= 1 and 0 <= b["woken_share"] <= 1
-                assert b["run_ahead_share"] == 0  # a CPU sidecar's passes end before replies
+                # a CPU sidecar's passes end before replies: none left running
+                assert b["run_ahead_share"] == 0 and b["running_share"] == 0
         else:
             assert "sidecar_batches" not in r
     # --append: another corpus size's set joins the file (the same one would be replaced)

@@ -77,11 +77,16 @@ def running(monkeypatch, tmp_path):  # type: ignore[no-untyped-def]
         def done(self) -> bool:
             return time.monotonic() >= self.until
 
-        def finish(self) -> list:
-            log.add("finish", self.me)
+        def collect(self) -> None:
+            log.add("collect", self.me)
             log.running.discard(self.me)
             if self.me in log.fail_finish:
                 raise RuntimeError("the GPU failed")
+            self.run.collect()
+
+        def finish(self) -> list:
+            log.add("finish", self.me)
+            assert self.me not in log.running, "answers written before they were collected"
             return self.run.finish()
 
     def begin_batch(self, members):  # type: ignore[no-untyped-def]
@@ -173,21 +178,27 @@ def test_batches_overlap_and_every_answer_is_exact(running, pass_ms: int) -> Non
     assert log.unlocked_starts == 0
     assert log.handled_while_running == []
     assert sum(1 for what, op in log.events if what == "handle" and op == Op.ADD) >= 25
-    # each run: begun, started, finished, in that order; and at least once the next batch was
-    # decoded while one ran (begin of B between the start and the finish of A)
+    # each run: begun, started, collected, finished, in that order; and at least once the
+    # next batch was decoded while one ran (begin of B between the start and the collect of A)
     order = {(what, who): i for i, (what, who) in enumerate(log.events) if what != "handle"}
     if pass_ms == 30:  # the callers a batch's replies freed come back over several sweeps
         assert any(what == "add" for what, _ in log.events), log.events
     runs = {who for what, who in log.events if what == "begin"}
-    assert all(order[("begin", r)] < order[("start", r)] < order[("finish", r)] for r in runs)
+    assert all(
+        order[("begin", r)] < order[("start", r)] < order[("collect", r)] < order[("finish", r)]
+        for r in runs
+    )
     overlapped = [
         a for a in runs for b in runs
-        if order[("start", a)] < order[("begin", b)] < order[("finish", a)]
+        if order[("start", a)] < order[("begin", b)] < order[("collect", a)]
     ]  # fmt: skip
     if pass_ms == 30:  # (in 2 ms the callers, threads of this process, may not get the GIL)
         assert overlapped, log.events
-    # ... and the batch it decoded meanwhile started only after that one's answers
-    assert all(order[("finish", a)] < order[("start", a + 1)] for a in overlapped)
+    # ... and the batch it decoded meanwhile started once that one's pass was over and its
+    # answers taken, before its responses were written (the GPU does not wait for them)
+    assert all(
+        order[("collect", a)] < order[("start", a + 1)] < order[("finish", a)] for a in overlapped
+    )
     # each caller's search taken and answered once
     assert stats["requests"]["search"] == 8 * 25
     assert (

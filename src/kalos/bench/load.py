@@ -778,9 +778,12 @@ def _batch_row(
     around it (``dispatch_us``, the decoding and encoding of its members), the rest the
     poller's; the share of the wall time the poller spent on batches (``busy_share``, less
     the time their passes ran on the GPU while it served on: near 1, the poller's one thread
-    is the bound); the share of the members whose callers had parked (``woken_share``: woken
-    by the sidecar's waker thread); and the share of the batches whose pass ran while the
-    poller decoded the next (``run_ahead_share``). Returns ``after``."""
+    is the bound); the share of the wall time a batch's pass was left running on the GPU,
+    from its start until the poller found it done (``running_share``: well below 1 under a
+    closed loop, the GPU waits for the host); the share of the members whose callers had
+    parked (``woken_share``: woken by the sidecar's waker thread); and the share of the
+    batches whose pass ran while the poller decoded the next (``run_ahead_share``). Returns
+    ``after``."""
     n, members, total, dispatch, search, woken, ahead, running, now = (
         a - b for a, b in zip(after, before, strict=True)
     )
@@ -793,6 +796,7 @@ def _batch_row(
         "search_us": round(search * per, 1),
         "dispatch_us": round((dispatch - search) * per, 1),
         "busy_share": round((total - running) / now, 3) if now else 0.0,
+        "running_share": round(running / now, 3) if now else 0.0,
         "woken_share": round(woken / members, 3) if members else 0.0,
         "run_ahead_share": round(ahead / n, 3) if n else 0.0,
     }

@@ -20,9 +20,9 @@ by another thread (server.waker): the poller only stores their sequence words.
 
 On a GPU a batch's pass is left running while the poller sweeps on: the requests its sweeps
 find meanwhile are taken into the next batch and decoded (up to ``batch_max``; a channel's
-taken request is passed by until answered). Once the pass is done, its answers are written,
-the next batch's pass started, and the first one's replies published while the GPU runs the
-second: the host's work on a batch and the GPU's pass overlap, instead of adding up. The
+taken request is passed by until answered). Once the pass is done, its answers are taken, the
+next batch's pass started, and the first one's responses written and published while the GPU
+runs the second: the host's work on a batch and the GPU's pass overlap, instead of adding up. The
 dispatch lock stays held while batches are taken or running: whatever else takes it (a lone
 request, a write, the GPU doorbell's books, a snapshot, another thread) first waits until
 they are answered.
@@ -577,9 +577,10 @@ class Poller:
 
     def _advance(self, wait: bool = False) -> None:
         """Moves the batches on: once the pass that runs on the GPU is done (``wait``: waits
-        for it), writes its answers, starts the next batch's pass, and publishes the first
-        one's replies while the GPU runs the second. Releases the dispatch lock once no batch
-        is taken or running."""
+        for it), takes its answers, starts the next batch's pass, then writes the first
+        one's responses and publishes them while the GPU runs the second (the GPU does not
+        wait for the host's writes). Releases the dispatch lock once no batch is taken or
+        running."""
         flight = self._flight
         landed = done = None
         try:
@@ -587,7 +588,13 @@ class Poller:
                 if not wait and not flight.done():
                     return
                 self._flight = None
-                landed = self._finish(flight)
+                t = _monotonic_ns()
+                self.batch_running_ns += t - flight.started
+                if flight.run is not None:  # its answers, out of the GPU's staging
+                    _run_step(flight, flight.run.collect)
+                self.batch_dispatch_ns += _monotonic_ns() - t
+                if flight.run is None:  # its pass failed: each member alone, before the next
+                    landed = self._finish(flight)
             nxt = self._next
             if nxt is not None:
                 self._next = None
@@ -604,6 +611,8 @@ class Poller:
                     self.batches_run_ahead += 1
                 else:
                     done = self._finish(nxt)
+            if flight is not None and landed is None:
+                landed = self._finish(flight)
         finally:
             if self._flight is None and self._next is None:
                 self._lock.release()
@@ -622,8 +631,6 @@ class Poller:
         """``flight``'s answers written (under the dispatch lock): BatchRun.finish, or each
         member alone should the batch path fail."""
         t = _monotonic_ns()
-        if flight.started:
-            self.batch_running_ns += t - flight.started
         results = None if flight.run is None else _run_step(flight, flight.run.finish)
         if results is None:
             results = [self._handle(*m) for m in flight.members]

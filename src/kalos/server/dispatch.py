@@ -570,8 +570,9 @@ class BatchRun:
     (:meth:`Dispatcher.begin_batch`): members are decoded as they come (:meth:`add`);
     :meth:`start` starts the pass over the index and says whether it is still running (a GPU
     index's batched call, left running so that the sidecar can decode the next batch
-    meanwhile; :meth:`done` asks whether it has finished); :meth:`finish` waits for it and
-    writes each member's response, returning what :meth:`Dispatcher.handle_batch` does."""
+    meanwhile; :meth:`done` asks whether it has finished); :meth:`collect` waits for it and
+    keeps its answers; :meth:`finish` writes each member's response, returning what
+    :meth:`Dispatcher.handle_batch` does."""
 
     def __init__(
         self, dispatcher: Dispatcher, members: Sequence[tuple[int, int, np.ndarray, np.ndarray]]
@@ -589,7 +590,9 @@ class BatchRun:
         ] = []
         self._hits: Callable[[], list[Any]] | None = None
         self._done: Callable[[], bool] | None = None
+        self._found: list[Any] | None = None  # the pass's answers (collect)
         self._t1 = 0
+        self._search_ns = 0
         self.add(members)
 
     def add(self, members: Sequence[tuple[int, int, np.ndarray, np.ndarray]]) -> None:
@@ -626,14 +629,22 @@ class BatchRun:
         except Exception:
             return True
 
+    def collect(self) -> None:
+        """Waits for the pass and keeps its answers, copied out of the GPU's staging: the
+        next batch's pass may start before :meth:`finish` writes the responses."""
+        assert self._hits is not None, "collect before start"
+        if self._found is None:
+            self._found = self._hits()
+            self._search_ns = _monotonic_ns() - self._t1
+            self._dispatcher.batch_search_ns += self._search_ns
+
     def finish(self) -> list[tuple[int, int, int, int]]:
-        """Waits for the pass and writes each member's response: (status, response length,
-        compute ns, write ns) in the members' order."""
-        assert self._hits is not None, "finish before start"
+        """Writes each member's response (after :meth:`collect`, which it calls if need be):
+        (status, response length, compute ns, write ns) in the members' order."""
+        self.collect()
         d, t0, results = self._dispatcher, self._t0, self._results
-        hits = self._hits()
-        search_ns = _monotonic_ns() - self._t1
-        d.batch_search_ns += search_ns
+        hits, search_ns = self._found, self._search_ns
+        assert hits is not None
         members = self._members
         for (i, finish, *_), hit in zip(self._jobs, hits, strict=True):
             out = members[i][3]
