@@ -200,11 +200,21 @@ def test_load_bench(tmp_path):
             b = r["sidecar_batches"]
             assert {"batches", "mean_batch", "batched_share", "mean_us", "search_us",
                     "dispatch_us", "busy_share", "running_share", "woken_share",
-                    "run_ahead_share"} == set(b)  # fmt: skip
+                    "run_ahead_share", "steps_us"} == set(b)  # fmt: skip
+            steps = b["steps_us"]
+            assert set(steps) == {"decode", "start", "settle", "collect", "write", "reply"}
             if r["system"] == "kalos-shm-unbatched":
                 assert b["batches"] == 0 and b["mean_us"] == 0.0
+                assert set(steps.values()) == {0.0}
             elif b["batches"]:  # a batch's time holds its search's; the poller's share of the wall
                 assert b["mean_us"] >= b["search_us"] > 0 and b["dispatch_us"] >= 0
+                # the poller's steps: each batch decoded, started (a CPU pass runs in its
+                # start; its answers are taken as its responses are written), written and
+                # replied
+                assert min(steps[s] for s in ("decode", "write", "reply")) > 0, steps
+                assert steps["start"] + steps["write"] >= 0.95 * b["search_us"], (steps, b)
+                assert steps["settle"] == 0  # no GPU
+                assert sum(steps.values()) <= b["mean_us"] * 1.01, (steps, b)
                 assert 0 < b["busy_share"] <= 1 and 0 <= b["woken_share"] <= 1
                 # a CPU sidecar's passes end before replies: none left running
                 assert b["run_ahead_share"] == 0 and b["running_share"] == 0

@@ -76,6 +76,9 @@ BATCH_STATS = (
     "batches", "batched", "batch_ns", "batch_dispatch_ns", "batch_search_ns", "batch_woken",
     "batches_run_ahead", "batch_running_ns",
 )  # fmt: skip
+# the poller's steps on a batch (server.channels.BATCH_STEPS; settle: of the start, settling
+# the GPU's armed graphs), each timed apart: after BATCH_STATS in a sample
+BATCH_STEPS = ("decode", "start", "settle", "collect", "write", "reply")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -706,7 +709,8 @@ def _run(args: argparse.Namespace) -> int:
 
                 def batches(loader: Any = loader) -> tuple[int, ...]:
                     stats = loader.stats()
-                    return (*(int(stats.get(key, 0)) for key in BATCH_STATS), time.monotonic_ns())
+                    keys = (*BATCH_STATS, *(f"batch_{step}_ns" for step in BATCH_STEPS))
+                    return (*(int(stats.get(key, 0)) for key in keys), time.monotonic_ns())
 
                 try:
                     # the poller's batches: shm channels only (grpc batches among its threads)
@@ -782,9 +786,11 @@ def _batch_row(
     from its start until the poller found it done (``running_share``: well below 1 under a
     closed loop, the GPU waits for the host); the share of the members whose callers had
     parked (``woken_share``: woken by the sidecar's waker thread); and the share of the
-    batches whose pass ran while the poller decoded the next (``run_ahead_share``). Returns
-    ``after``."""
-    n, members, total, dispatch, search, woken, ahead, running, now = (
+    batches whose pass ran while the poller decoded the next (``run_ahead_share``); and the
+    mean time of the poller's steps on a batch (``steps_us``: decoding its members, starting
+    its pass, of which settling the GPU's armed graphs, taking its answers, writing and
+    publishing its responses). Returns ``after``."""
+    n, members, total, dispatch, search, woken, ahead, running, *steps, now = (
         a - b for a, b in zip(after, before, strict=True)
     )
     per = 1e-3 / n if n else 0.0
@@ -794,11 +800,13 @@ def _batch_row(
         "batched_share": round(members / searches, 3) if searches else 0.0,
         "mean_us": round(total * per, 1),
         "search_us": round(search * per, 1),
-        "dispatch_us": round((dispatch - search) * per, 1),
+        # the pass's time in the dispatcher: all of it, less what ran while the poller served on
+        "dispatch_us": round((dispatch - (search - running)) * per, 1),
         "busy_share": round((total - running) / now, 3) if now else 0.0,
         "running_share": round(running / now, 3) if now else 0.0,
         "woken_share": round(woken / members, 3) if members else 0.0,
         "run_ahead_share": round(ahead / n, 3) if n else 0.0,
+        "steps_us": {step: round(ns * per, 1) for step, ns in zip(BATCH_STEPS, steps, strict=True)},
     }
     return after
 

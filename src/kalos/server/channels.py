@@ -57,6 +57,8 @@ _monotonic_ns = time.monotonic_ns
 _load = _native.load_acquire
 _store = _native.store_release
 _publish = _native.publish
+# The poller's steps on a batch, timed apart (Poller.batch_step_ns)
+BATCH_STEPS = ("decode", "start", "collect", "write", "reply")
 # Bound once: module attribute lookups cost ~0.03 µs each on the request path.
 _unpack_request = L.REQ_FIELDS.unpack_from
 _pack_response = L.RESP_FIELDS.pack_into
@@ -183,6 +185,10 @@ class Poller:
         # that, inside the dispatcher's batch call (decode, search, encode; under the lock)
         self.batch_ns = 0
         self.batch_dispatch_ns = 0
+        # ... and the poller's steps on them, each summed over the batches: decoding the
+        # members, starting the pass, taking its answers, writing the responses, publishing
+        # them (batch_steps)
+        self.batch_step_ns = dict.fromkeys(BATCH_STEPS, 0)
         # A batch whose pass runs on the GPU while the poller sweeps for the next (the dispatch
         # lock held for it); how many batches ran so, and for how long in all
         self._flight: _Flight | None = None
@@ -571,7 +577,9 @@ class Poller:
             nxt.run = None
         nxt.members += members
         nxt.served += served
-        self.batch_dispatch_ns += _monotonic_ns() - taken
+        spent = _monotonic_ns() - taken
+        self.batch_dispatch_ns += spent
+        self.batch_step_ns["decode"] += spent
         if self._flight is None:
             self._advance()
 
@@ -592,7 +600,9 @@ class Poller:
                 self.batch_running_ns += t - flight.started
                 if flight.run is not None:  # its answers, out of the GPU's staging
                     _run_step(flight, flight.run.collect)
-                self.batch_dispatch_ns += _monotonic_ns() - t
+                spent = _monotonic_ns() - t
+                self.batch_dispatch_ns += spent
+                self.batch_step_ns["collect"] += spent
                 if flight.run is None:  # its pass failed: each member alone, before the next
                     landed = self._finish(flight)
             nxt = self._next
@@ -604,7 +614,9 @@ class Poller:
                     self.largest_batch = len(nxt.members)
                 t = _monotonic_ns()
                 running = nxt.run is not None and bool(_run_step(nxt, nxt.run.start))
-                self.batch_dispatch_ns += _monotonic_ns() - t
+                spent = _monotonic_ns() - t
+                self.batch_dispatch_ns += spent
+                self.batch_step_ns["start"] += spent
                 if running:
                     nxt.started = _monotonic_ns()
                     self._flight = nxt
@@ -635,18 +647,23 @@ class Poller:
         if results is None:
             results = [self._handle(*m) for m in flight.members]
         flight.results = results
-        self.batch_dispatch_ns += _monotonic_ns() - t
+        spent = _monotonic_ns() - t
+        self.batch_dispatch_ns += spent
+        self.batch_step_ns["write"] += spent
         return flight
 
     def _replies(self, flight: _Flight) -> None:
         """Publishes a batch's responses (written by :meth:`_finish`): the wakes of parked
         callers are the waker's."""
         publish = self._waker.publish if self._waker is not None else _publish
+        t = _monotonic_ns()
         for (ch, seq, op, queue_ns), (status, n, compute_ns, write_ns) in zip(
             flight.served, flight.results, strict=True
         ):
             self._reply(ch, seq, op, status, n, queue_ns, compute_ns, write_ns, publish)
-        self.batch_ns += _monotonic_ns() - flight.picked
+        now = _monotonic_ns()
+        self.batch_step_ns["reply"] += now - t
+        self.batch_ns += now - flight.picked
 
     def _reply(
         self, ch: ServerChannel, seq: int, op: int, status: int, n: int, queue_ns: int,

@@ -133,6 +133,7 @@ class Dispatcher:
         self.now_ns = 0  # wall-clock time of the request being handled (see handle)
         self.errors = 0
         self.batch_search_ns = 0  # handle_batch's passes over the index, in all
+        self.batch_settle_ns = 0  # of their starts, in settling the GPU's armed graphs
         self._extra_stats = extra_stats
         self._ops: dict[int, Callable[[int, np.ndarray, np.ndarray], tuple[int, int]]] = {
             Op.PING: self._ping,
@@ -613,7 +614,9 @@ class BatchRun:
         d, jobs = self._dispatcher, self._jobs
         gpu = d.memories.gpu
         if gpu is not None:  # no graph may stay armed ahead of this work
+            t = _monotonic_ns()
             gpu.settle()
+            d.batch_settle_ns += _monotonic_ns() - t
         self._t1 = _monotonic_ns()
         self._hits, self._done = d.memories.start_search_many(
             [(q, k, scope) for _, _, q, k, scope, _ in jobs], nprobes=[p for *_, p in jobs]

@@ -304,6 +304,10 @@ class Sidecar:
             # batches whose pass ran on the GPU while the poller served on, and for how long
             "batches_run_ahead": self.poller.batches_run_ahead,
             "batch_running_ns": self.poller.batch_running_ns,
+            # the poller's steps on them (server.channels.BATCH_STEPS), and of the starts,
+            # the time spent settling the GPU's armed graphs (server.doorbell)
+            **{f"batch_{step}_ns": ns for step, ns in self.poller.batch_step_ns.items()},
+            "batch_settle_ns": self.dispatcher.batch_settle_ns,
             # uds and grpc requests' batches (server.combiner)
             "thread_batches": self.combiner.batches if self.combiner is not None else 0,
             "thread_batched": self.combiner.batched if self.combiner is not None else 0,
