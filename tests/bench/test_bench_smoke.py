@@ -222,11 +222,23 @@ def test_load_bench(tmp_path):
             assert "sidecar_batches" not in r
     # --append: another corpus size's set joins the file (the same one would be replaced)
     args = ["load", "--corpus", "clustered", "--n", "1000", "--dim", "64", "--queries", "20",
-            "--threads", "1", "--processes", "2", "--duration", "0.2", "--fractions", "0.5",
+            "--threads", "2", "--processes", "2", "--duration", "0.2", "--fractions", "0.5",
             "--systems", "torch-lock", "--append"]  # fmt: skip
     rc, appended = _bench(tmp_path, *args)
     assert rc == 0 and [s["params"]["n"] for s in appended] == [2000, 2000, 1000]
     assert appended[2]["rows"][0]["system"] == "torch-lock"
+    # --sidecar-arg: onto the sidecar's command line (the last --batch-max wins: batches of at
+    # most 2), recorded, and a set of its own beside the same clients' set without it
+    args = ["load", "--corpus", "clustered", "--n", "1000", "--dim", "64", "--queries", "20",
+            "--threads", "2", "--processes", "2", "--duration", "0.3", "--fractions", "0.5",
+            "--systems", "kalos-shm", "--sidecar-arg=--batch-max=2", "--append"]  # fmt: skip
+    rc, appended = _bench(tmp_path, *args)
+    assert rc == 0 and [s["params"]["n"] for s in appended] == [2000, 2000, 1000, 1000]
+    mine = appended[3]
+    assert mine["params"]["sidecar_args"] == ["--batch-max=2"]
+    assert mine["params"]["clients"] == appended[2]["params"]["clients"]
+    batched = mine["checks"]["sidecar_stats"]["batched"]
+    assert batched["batches"] > 0 and batched["largest_batch"] == 2, batched
 
 
 def test_load_bench_keeps_each_system_it_measured(tmp_path, monkeypatch):

@@ -99,6 +99,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="the sidecar's and torch's device")
     p.add_argument("--index", default=None, help="the sidecar's index spec (default: device's)")
     p.add_argument("--batch-delay-us", type=float, default=0.0)
+    p.add_argument(
+        "--sidecar-arg", action="append", default=[], metavar="ARG",
+        help="an argument for the sidecar's command line, e.g. --sidecar-arg=--spin-us=20000 "
+        "(repeat for more; in params.sidecar_args; a set with other sidecar arguments is "
+        "another set for --append)",
+    )  # fmt: skip
     p.add_argument("--redis-server", default=None, help="redis-server binary (default: PATH)")
     p.add_argument("--append", action="store_true",
                    help="add this run's sets to the result file already there (a set of the "
@@ -629,6 +635,8 @@ def _run(args: argparse.Namespace) -> int:
         "batch_delay_us": args.batch_delay_us, "corpus_info": corpus.info,
         "load_average": loads,
     }  # fmt: skip
+    if args.sidecar_arg:
+        params["sidecar_args"] = list(args.sidecar_arg)
 
     def save(pending: list[str]) -> tuple[str, list[dict[str, Any]]]:
         """Writes the file with every row so far (after each system, so that a run cut short
@@ -651,7 +659,7 @@ def _run(args: argparse.Namespace) -> int:
             def key(s: dict[str, Any]) -> tuple[Any, ...]:
                 p = s.get("params", {})
                 return (p.get("corpus"), p.get("n"), p.get("dim"), p.get("device"),
-                        p.get("clients"))  # fmt: skip
+                        p.get("clients"), tuple(p.get("sidecar_args", ())))  # fmt: skip
 
             replaced = {key(s) for s in doc}
             doc = [s for s in previous if key(s) not in replaced] + doc
@@ -690,6 +698,7 @@ def _run(args: argparse.Namespace) -> int:
             extra += ["--index", args.index]
         if any("grpc" in s for s in mine):
             extra += ["--grpc", "127.0.0.1:0"]
+        extra += args.sidecar_arg
         with isolated_sidecar(dim=dim, name="bench-load", extra_args=tuple(extra)) as sc:
             loader = sc.connect(arena_bytes=16 << 20, timeout=600)
             loader.add(db, ids)
