@@ -789,11 +789,12 @@ def _batch_row(
     ``searches`` they answered; the mean time of a batch from its pickup to its last reply
     (``mean_us``), of which in the pass over the index (``search_us``) and in the dispatcher
     around it (``dispatch_us``, the decoding and encoding of its members), the rest the
-    poller's; the share of the wall time the poller spent on batches (``busy_share``, less
-    the time their passes ran on the GPU while it served on: near 1, the poller's one thread
-    is the bound); the share of the wall time a batch's pass was left running on the GPU,
-    from its start until the poller found it done (``running_share``: well below 1 under a
-    closed loop, the GPU waits for the host); the share of the members whose callers had
+    poller's; the share of the wall time the poller spent in its steps on batches
+    (``busy_share``, the sum of ``steps_us``: near 1, the poller's one thread is the bound;
+    the sweeps between them are not counted); the share of the wall time a batch's pass was
+    left running on the GPU, from its start until the poller found it done
+    (``running_share``: well below 1 under a closed loop, the GPU waits for the host); the
+    share of the members whose callers had
     parked (``woken_share``: woken by the sidecar's waker thread); and the share of the
     batches whose pass ran while the poller decoded the next (``run_ahead_share``); and the
     mean time of the poller's steps on a batch (``steps_us``: decoding its members, starting
@@ -803,6 +804,7 @@ def _batch_row(
         a - b for a, b in zip(after, before, strict=True)
     )
     per = 1e-3 / n if n else 0.0
+    busy = sum(steps) - steps[BATCH_STEPS.index("settle")]  # (settling is part of the start)
     row["sidecar_batches"] = {
         "batches": n,
         "mean_batch": round(members / n, 2) if n else 0.0,
@@ -811,7 +813,7 @@ def _batch_row(
         "search_us": round(search * per, 1),
         # the pass's time in the dispatcher: all of it, less what ran while the poller served on
         "dispatch_us": round((dispatch - (search - running)) * per, 1),
-        "busy_share": round((total - running) / now, 3) if now else 0.0,
+        "busy_share": round(busy / now, 3) if now else 0.0,
         "running_share": round(running / now, 3) if now else 0.0,
         "woken_share": round(woken / members, 3) if members else 0.0,
         "run_ahead_share": round(ahead / n, 3) if n else 0.0,
