@@ -420,6 +420,15 @@ class ClientFleet:
 # -- the in-process systems -----------------------------------------------------------------------
 
 
+def _current(tensor: Any) -> None:
+    """Makes ``tensor``'s GPU current on this thread (a thread of its own would otherwise
+    start without a CUDA context, which torch's first matmul warns of)."""
+    if tensor.is_cuda:
+        import torch
+
+        torch.cuda.set_device(tensor.device)
+
+
 def torch_lock(db: np.ndarray, queries: np.ndarray, k: int, device: str) -> tuple[Any, Any]:
     import torch
 
@@ -428,7 +437,9 @@ def torch_lock(db: np.ndarray, queries: np.ndarray, k: int, device: str) -> tupl
     lock = threading.Lock()
     ids = torch.arange(len(db), device=device)
 
-    def make_search() -> Callable[[int], np.ndarray]:
+    def make_search() -> Callable[[int], np.ndarray]:  # (on the caller's thread)
+        _current(t_db)
+
         def search(i: int) -> np.ndarray:
             with lock:
                 _, pos = torch.topk(t_db @ t_q[i], k)
@@ -447,6 +458,7 @@ def torch_batched(db: np.ndarray, queries: np.ndarray, k: int, device: str) -> t
     waiting: queue.SimpleQueue[tuple[int, list[Any], threading.Event] | None] = queue.SimpleQueue()
 
     def server() -> None:
+        _current(t_db)
         while True:
             first = waiting.get()
             if first is None:
