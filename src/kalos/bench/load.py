@@ -57,6 +57,7 @@ from threadpoolctl import threadpool_limits
 
 from kalos.bench import corpora
 from kalos.bench.common import load_average, machine_name, print_table, write_result
+from kalos.server import channels
 from kalos.testing import isolated_sidecar
 
 SCENARIO = "load"
@@ -76,9 +77,9 @@ BATCH_STATS = (
     "batches", "batched", "batch_ns", "batch_dispatch_ns", "batch_search_ns", "batch_woken",
     "batches_run_ahead", "batch_running_ns",
 )  # fmt: skip
-# the poller's steps on a batch (server.channels.BATCH_STEPS; settle: of the start, settling
-# the GPU's armed graphs), each timed apart: after BATCH_STATS in a sample
-BATCH_STEPS = ("decode", "start", "settle", "collect", "write", "reply")
+# the poller's steps on a batch, each timed apart, and settle (of the start, settling the
+# GPU's armed graphs): after BATCH_STATS in a sample
+BATCH_STEPS = (*channels.BATCH_STEPS, "settle")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -184,10 +184,9 @@ class Poller:
         # where those batches' time went: from their sweep's pickup to the last reply, and of
         # that, inside the dispatcher's batch call (decode, search, encode; under the lock)
         self.batch_ns = 0
-        self.batch_dispatch_ns = 0
         # ... and the poller's steps on them, each summed over the batches: decoding the
-        # members, starting the pass, taking its answers, writing the responses, publishing
-        # them (batch_steps)
+        # members, starting the pass, taking its answers, writing the responses (these four
+        # in the dispatcher: batch_dispatch_ns), publishing them
         self.batch_step_ns = dict.fromkeys(BATCH_STEPS, 0)
         # A batch whose pass runs on the GPU while the poller sweeps for the next (the dispatch
         # lock held for it); how many batches ran so, and for how long in all
@@ -255,6 +254,12 @@ class Poller:
                 self._waker.close()
                 self._woken_before += self._waker.deferred
                 self._waker = None
+
+    @property
+    def batch_dispatch_ns(self) -> int:
+        """Of the batches' time, the steps inside the dispatcher (decode, search, encode)."""
+        steps = self.batch_step_ns
+        return steps["decode"] + steps["start"] + steps["collect"] + steps["write"]
 
     @property
     def batch_woken(self) -> int:
@@ -577,9 +582,7 @@ class Poller:
             nxt.run = None
         nxt.members += members
         nxt.served += served
-        spent = _monotonic_ns() - taken
-        self.batch_dispatch_ns += spent
-        self.batch_step_ns["decode"] += spent
+        self.batch_step_ns["decode"] += _monotonic_ns() - taken
         if self._flight is None:
             self._advance()
 
@@ -600,9 +603,7 @@ class Poller:
                 self.batch_running_ns += t - flight.started
                 if flight.run is not None:  # its answers, out of the GPU's staging
                     _run_step(flight, flight.run.collect)
-                spent = _monotonic_ns() - t
-                self.batch_dispatch_ns += spent
-                self.batch_step_ns["collect"] += spent
+                self.batch_step_ns["collect"] += _monotonic_ns() - t
                 if flight.run is None:  # its pass failed: each member alone, before the next
                     landed = self._finish(flight)
             nxt = self._next
@@ -614,9 +615,7 @@ class Poller:
                     self.largest_batch = len(nxt.members)
                 t = _monotonic_ns()
                 running = nxt.run is not None and bool(_run_step(nxt, nxt.run.start))
-                spent = _monotonic_ns() - t
-                self.batch_dispatch_ns += spent
-                self.batch_step_ns["start"] += spent
+                self.batch_step_ns["start"] += _monotonic_ns() - t
                 if running:
                     nxt.started = _monotonic_ns()
                     self._flight = nxt
@@ -647,9 +646,7 @@ class Poller:
         if results is None:
             results = [self._handle(*m) for m in flight.members]
         flight.results = results
-        spent = _monotonic_ns() - t
-        self.batch_dispatch_ns += spent
-        self.batch_step_ns["write"] += spent
+        self.batch_step_ns["write"] += _monotonic_ns() - t
         return flight
 
     def _replies(self, flight: _Flight) -> None:
