@@ -32,6 +32,7 @@ def test_every_path_and_batch_size_is_timed_and_checked(tmp_path) -> None:
     assert not any(rows[("fused", b)]["two_pass"] for b in (1, 4, 8))
     assert result["checks"]["wrong_results"] == 0
     assert set(result["checks"]["largest_over_one"]) == {"batch", "two-pass", "fused", "torch"}
+    assert "scan" in result["params"] and "listed_p50" not in rows[("fused", 4)]
 
 
 def test_append_keeps_the_other_sets(tmp_path) -> None:
@@ -43,3 +44,23 @@ def test_append_keeps_the_other_sets(tmp_path) -> None:
         assert args.func(args) == 0
     sets = json.loads((tmp_path / "search-batch-test.json").read_text())
     assert sorted(s["params"]["n"] for s in sets) == [200, 250]  # the second 200 replaced
+
+
+def test_a_4bit_index_adds_the_cascade_rows(tmp_path) -> None:
+    args = build_parser().parse_args(
+        ["bench", "search-batch", "--device", "cpu", "--n", "300", "--dim", "288",
+         "--batches", "1", "4", "--calls", "2", "--checked", "2", "--k", "5",
+         "--out", str(tmp_path), "--machine", "test", "--quiet"]
+    )  # fmt: skip
+    assert args.func(args) == 0
+    result = json.loads((tmp_path / "search-batch-test.json").read_text())
+    assert result["params"]["scan"] == "4bit"
+    assert result["params"]["default_batch4_max_batch"] == 16
+    rows = {(r["system"], r["batch"]): r for r in result["rows"]}
+    assert {p for p, _ in rows} == {"cascade", "two-pass", "fused", "torch"}
+    for b in (1, 4):
+        cascade = rows[("cascade", b)]
+        assert cascade["wrong"] == 0 and 5 <= cascade["listed_p50"] <= cascade["listed_max"] <= 300
+        assert "listed_p50" not in rows[("fused", b)]
+    assert result["checks"]["wrong_results"] == 0
+    assert "cascade" in result["checks"]["largest_over_one"]

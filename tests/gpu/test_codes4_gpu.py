@@ -1,6 +1,7 @@
 """The 4-bit cascade (``scan=4bit``, kalos.index.kernels.codes4) on a CUDA GPU, at full size:
 its bounds pass's PTX ``dp4a`` against the byte dot, and 1M anisotropic rows searched through
-the cascade against the float64 reference, with every row's bounds checked.
+the cascade against the float64 reference, with every row's bounds checked; batches through
+the batched cascade (kernels.codes4_batch) too, at each size bucket it takes.
 
 Run on a CUDA machine: ``pytest -m gpu tests/gpu``. Skipped without CUDA.
 """
@@ -15,7 +16,13 @@ from cuda_device import torch
 import numpy as np
 import pytest
 
-from cuda_reference import check_dp4a, check_graph_search, check_search, stored_vectors
+from cuda_reference import (
+    check_dp4a,
+    check_graph_search,
+    check_result,
+    check_search,
+    stored_vectors,
+)
 from kalos.index.cuda_flat import CudaFlatIndex
 
 pytestmark = pytest.mark.gpu
@@ -87,3 +94,32 @@ def test_cascade_above_512_dims_matches_float64_reference(dim):
     shape changes with the row's bytes: codes4.choose_config)."""
     rng = np.random.default_rng(dim)
     check_cascade(anisotropic(rng, 600_000, dim), anisotropic(rng, 4, dim), "ip")
+
+
+@pytest.mark.parametrize("metric", ["ip", "cosine", "l2"])
+def test_batched_cascade_matches_float64_reference_at_1m(rows_1m, metric):
+    """Batches of 2 to 64 through the batched cascade (every size bucket the index can be set
+    to take it for), by search and by a graph replayed twice, with and without a scope."""
+    x, _ = rows_1m
+    rng = np.random.default_rng(7)
+    more = anisotropic(rng, 64, 384)
+    idx = CudaFlatIndex(dim=384, metric=metric, spec="cuda:flat,fp16,scan=4bit", scan="4bit")
+    ids = np.arange(1, len(x) + 1, dtype=np.int64)
+    scopes = np.zeros((len(x), 3), dtype=np.int64)
+    scopes[:, 0] = 1 + (ids % 3)
+    idx.add(x, ids, scopes)
+    idx.batch4_max_batch = 64
+    for nq in (2, 3, 16, 64):
+        check_search(idx, x, ids, scopes, more[:nq], 10)
+        assert idx._workspaces[(nq, 10, False)].get("codes4_batch")
+    check_search(idx, x, ids, scopes, more[:5], 10, scope=(2, 0, 0))
+    g = idx.graph(8, 10, scope_active=False)
+    assert g._ws[0].get("codes4_batch")
+    for lo in (0, 8):
+        g.query.copy_(torch.from_numpy(more[lo : lo + 8]))
+        g.replay()
+        torch.cuda.synchronize()
+        check_result(idx, x, ids, scopes, more[lo : lo + 8], 10, g.scores.cpu().numpy(),
+                     g.ids.cpu().numpy())  # fmt: skip
+    listed = g._ws[0]["listed"].cpu().numpy()
+    assert np.all((listed >= 10) & (listed <= len(x)))

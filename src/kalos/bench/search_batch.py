@@ -11,7 +11,15 @@ shape (``CudaFlatIndex.graph``) and a wait for it, timed on the host:
   (``params.default_two_pass_batch``, 32; 0: never);
 - ``fused``: every batch through the fused scan and its per-program top-k lists
   (``kernels.scan_topk``);
+- ``cascade`` (a ``scan=4bit`` index: 257 to 512 dims): every batch of 2 or more through the
+  batched 4-bit cascade (``kernels.codes4_batch``: one read of the 4-bit codes bounds every
+  query, then each query's open rows are scored exactly), a single query through its own
+  cascade (``kernels.codes4``). The index takes the batched cascade up to
+  ``params.default_batch4_max_batch``'s size bucket (16). Its rows give ``listed_p50`` and
+  ``listed_max``: the rows a query left open, over the checked calls;
 - ``torch``: ``torch.topk(q @ db.T)`` on the same fp16 rows, the batch in one product.
+
+The ``two-pass`` and ``fused`` rows keep the batched cascade off.
 
 Every answer of the first ``--checked`` calls of each row is held against the exact top-k of
 the stored rows in float32: a result is wrong when its exact score is below the k-th best
@@ -40,7 +48,7 @@ from kalos.bench.common import (
 from kalos.bench.plots import plot_result
 
 SCENARIO = "search-batch"
-PATHS = ("two-pass", "fused", "torch")
+PATHS = ("cascade", "two-pass", "fused", "torch")
 TWO_PASS_FROM = 2  # the two-pass rows: every batch from this size
 
 
@@ -65,6 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from kalos.index import cuda_flat
     from kalos.index.cuda_flat import CudaFlatIndex
     from kalos.index.kernels import batch_topk
 
@@ -95,11 +104,13 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     samples: dict[str, dict[str, np.ndarray]] = {}
     wrong_total = 0
+    paths = [p for p in PATHS if p != "cascade" or index.scan == "4bit"]
     for b in args.batches:
         group = samples.setdefault(f"batch {b}", {})
-        for path in PATHS:
+        for path in paths:
             checked: list[tuple[Any, Any]] = []
-            call, two_pass = _caller(path, index, stored, b, k)
+            listed: list[int] = []
+            call, two_pass, open_rows = _caller(path, index, stored, b, k)
             for i in range(5):  # the kernels compiled, the caches warm
                 call(picks(b, i))
             sync()
@@ -113,27 +124,34 @@ def run(args: argparse.Namespace) -> int:
                 lat[i] = time.perf_counter_ns() - t0
                 if i < args.checked:
                     checked.append((q, got.clone()))
+                    if open_rows is not None:
+                        listed += open_rows()
             wrong = _wrong(stored32, xmax, checked, k)
             if path != "torch":  # torch's fp16 product is the baseline, not under test
                 wrong_total += wrong
             row = summarize(path, lat, batch=b, two_pass=two_pass, wrong=wrong)
             row["us_per_query"] = round(row["p50_us"] / b, 3)
+            if listed:
+                row["listed_p50"] = int(np.percentile(listed, 50))
+                row["listed_max"] = int(max(listed))
             rows.append(row)
             group[path] = lat
     index.two_pass_min_batch = batch_topk.MIN_BATCH
+    index.batch4_max_batch = cuda_flat.BATCH4_MAX_BATCH
     checks: dict[str, Any] = {"wrong_results": wrong_total, "checked_calls": args.checked}
     p50 = {(r["system"], r["batch"]): r["p50_us"] for r in rows}
     largest = max(args.batches)
     if 1 in args.batches and largest > 1:  # the largest batch's call over one query's
         checks["largest_over_one"] = {
             "batch": largest,
-            **{p: round(p50[(p, largest)] / p50[(p, 1)], 2) for p in PATHS},
+            **{p: round(p50[(p, largest)] / p50[(p, 1)], 2) for p in paths},
         }
     params = {
         "corpus": corpus.name, "n": corpus.n, "dim": corpus.dim, "k": k, "metric": "ip",
         "index": "cuda:flat,fp16", "device": str(dev), "batches": list(args.batches),
         "calls": args.calls, "two_pass_from": TWO_PASS_FROM,
         "default_two_pass_batch": batch_topk.MIN_BATCH,
+        "default_batch4_max_batch": cuda_flat.BATCH4_MAX_BATCH, "scan": index.scan,
         "corpus_info": corpus.info,
     }  # fmt: skip
     path = write_sets(SCENARIO, args.machine, params, rows, args.out, append=args.append,
@@ -149,23 +167,39 @@ def run(args: argparse.Namespace) -> int:
     return 1 if wrong_total else 0
 
 
-def _caller(path: str, index: Any, stored: Any, b: int, k: int) -> tuple[Any, bool]:
+def _caller(path: str, index: Any, stored: Any, b: int, k: int) -> tuple[Any, bool, Any]:
     """(a function: queries [b, dim] on the device -> their top-k ids, whether it takes the
-    two passes) for one row: a graph of the index on its path, or torch's product."""
+    two passes, and for the cascade a function that gives the rows its last call left open
+    per query, else None) for one row: a graph of the index on its path, or torch's
+    product."""
     import torch
 
     if path == "torch":
         db16 = stored.T
-        return (lambda q: torch.topk(q.to(torch.float16) @ db16, k, dim=1).indices), False
+        return (lambda q: torch.topk(q.to(torch.float16) @ db16, k, dim=1).indices), False, None
     index.two_pass_min_batch = TWO_PASS_FROM if path == "two-pass" else 2**30
+    index.batch4_max_batch = 2**30 if path == "cascade" else 0
+    if path == "cascade" and b == 1:  # one query: its own cascade (the prefilter's graph)
+        index.prefilter_min_rows = 0
+        graph = index.graph(1, k, prefilter=True)
+        stream = torch.cuda.current_stream() if index.device.type == "cuda" else None
+
+        def one(q: Any) -> Any:
+            graph.query.copy_(q)
+            graph.replay_and_wait(stream)
+            return graph.ids
+
+        return one, False, lambda: [int(graph._status_np[1])]
     graph = index.graph(b, k)
+    ws = graph._ws[0]
 
     def call(q: Any) -> Any:
         graph.query.copy_(q)
         graph.replay()
         return graph.ids
 
-    return call, bool(graph._ws[0].get("two_pass"))
+    opened = (lambda: ws["listed"][:b].tolist()) if ws.get("codes4_batch") else None
+    return call, bool(ws.get("two_pass")), opened
 
 
 def _wrong(stored32: Any, xmax: float, checked: list[tuple[Any, Any]], k: int) -> int:

@@ -68,6 +68,9 @@ _GENERAL_PATH_BYTES = 512 << 20
 # codes on the rows' mean once there are this many to fit it on.
 CODES4_MIN_ROWS = 500_000
 CODES4_FIT_ROWS = 1024
+# scan=4bit: batches up to this size bucket take the batched cascade (CudaFlatIndex's
+# batch4_max_batch; kernels.codes4_batch)
+BATCH4_MAX_BATCH = 16
 
 
 def parse_spec(spec: str) -> tuple[str, str, str]:
@@ -156,7 +159,7 @@ class CudaFlatIndex:
                 f"device {device!r}: the Triton kernels run on CUDA, or on the CPU only "
                 "under TRITON_INTERPRET=1 (tests)"
             )
-        from kalos.index.kernels import batch_topk
+        from kalos.index.kernels import batch_topk, codes4_batch
         from kalos.index.kernels import scan_topk as kernels  # imports triton
 
         if scan == "auto":
@@ -179,6 +182,9 @@ class CudaFlatIndex:
         self.prefilter_min_rows = CODES4_MIN_ROWS if scan == "4bit" else kernels.PREFILTER_MIN_ROWS
         # batches from this size bucket on take the two-pass search (kernels.batch_topk)
         self.two_pass_min_batch = batch_topk.MIN_BATCH
+        # scan=4bit: batches up to this size bucket take the batched 4-bit cascade
+        # (kernels.codes4_batch; 0: never), before the two passes
+        self.batch4_max_batch = BATCH4_MAX_BATCH
         # a [programs + 1, 8] int64 tensor that fused scans launched from now on fill with
         # where their time goes (kernels.scan_topk's trace; scripts/search_gpu_phases.py)
         self.trace: Any = None
@@ -193,6 +199,7 @@ class CudaFlatIndex:
         self._torch = torch
         self._k = kernels
         self._bt = batch_topk
+        self._b4 = codes4_batch
         self._metric_code = _METRICS[metric]
         self._tdtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
         self._on_gpu = dev.type == "cuda"
@@ -731,6 +738,17 @@ class CudaFlatIndex:
         bucket = self._k.next_pow2(nq)
         return nq > 1 and 0 < self.two_pass_min_batch <= bucket and self._fast(nq, k)
 
+    def _batch4(self, nq: int, k: int) -> bool:
+        """Whether a batch of ``nq`` takes the batched 4-bit cascade (kernels.codes4_batch):
+        ``scan=4bit``, a size bucket (the next power of two) of at most ``batch4_max_batch``,
+        k <= 64."""
+        return (
+            self.scan == "4bit"
+            and nq > 1
+            and self._k.next_pow2(nq) <= min(self.batch4_max_batch, self._b4.MAX_BATCH)
+            and self._k.key_width(k) <= 64
+        )
+
     def _programs(self, cfg: Any, k: int) -> int:
         bn = max(cfg.block_n, self._k.key_width(k))
         tiles = max(1, math.ceil(self._cap / bn))
@@ -776,6 +794,15 @@ class CudaFlatIndex:
         ws: dict[str, Any] = {}
         if prefilter and self.scan == "4bit":
             ws = self._workspace4(k)
+            if not private:
+                self._workspaces[key] = ws
+            return ws
+        if not prefilter and self._batch4(nq, k):
+            # the row-sized scratch of the largest batch the cascade takes, shared
+            most = self._k.next_pow2(min(self.batch4_max_batch, self._b4.MAX_BATCH))
+            upper = self._shared("upper4", (most, self._cap), torch.float32)
+            rows = self._shared("rows4", (most, self._cap), torch.int32)
+            ws = self._b4.workspace(nq, k, self.dim, upper[:nq], rows[:nq], self._on_gpu)
             if not private:
                 self._workspaces[key] = ws
             return ws
@@ -947,6 +974,14 @@ class CudaFlatIndex:
         nq = q.shape[0]
         if ws.get("codes4"):
             self._launch4(q, k, filt, scoped, scores, ids, ws, status, publish, gate)
+            return
+        if ws.get("codes4_batch"):
+            self._b4.search(
+                self._vecs, self._sq, self._scopes, filt, q, self._n_dev, self._ids, self._codes,
+                self._meta, self._rot32, self._mean32, ws, scores, ids, k=k,
+                metric=self._metric_code, scoped=scoped, programs=self._programs(ws["cfg"], k),
+                emit_programs=self._emit_programs(),
+            )  # fmt: skip
             return
         if ws.get("two_pass"):
             if not self._two_pass(nq, k):  # a tail batch below the two passes' size
@@ -1163,7 +1198,7 @@ class CudaFlatIndex:
             scan=self.scan,
         )  # fmt: skip
         for name in ("scan_config", "prefilter_config", "prefilter_mode", "prefilter_keep",
-                     "prefilter_lists"):  # fmt: skip
+                     "prefilter_lists", "two_pass_min_batch", "batch4_max_batch"):  # fmt: skip
             setattr(scratch, name, getattr(self, name))
         scratch.prefilter_min_rows = 0  # its graph below takes the prefilter too
         rng = np.random.default_rng(0)

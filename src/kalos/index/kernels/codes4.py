@@ -55,6 +55,7 @@ from kalos.index.kernels.scan_topk import (
 CHUNK = 64  # rotated dimensions a chunk: 32 bytes, two nibbles a byte
 QF_FIXED = 4  # qf: [QF_FIXED + 2 NCH] fp32 = (q.mu, |q|, 0, 0, offsets[NCH], scales[NCH])
 _KEY_NONE: tl.constexpr = tl.constexpr(KEY_NONE)
+_QF_FIXED: tl.constexpr = tl.constexpr(QF_FIXED)
 _KEY_MAX: tl.constexpr = tl.constexpr(2**63 - 1)
 # Slack of the width, relative to |q| (|y^| + |x| + |mu|): fp32 rounding of the exact score
 # (at most D * 2^-24 of |q| |x|, doubled for accumulation orders that truncate) and of the
@@ -145,12 +146,13 @@ def encode(x: Any, mean: Any, rot: Any) -> tuple[Any, Any]:
 
 @triton.jit
 def _prep_kernel(
-    q_ptr,  # q: [D] fp32 (one query)
+    q_ptr,  # q: [nq, D] fp32, row stride stride_q
     rot_ptr,  # rot: [D4, D] fp32
     mean_ptr,  # mean: [D] fp32
-    qc_ptr,  # out: [NCH, 4, 8] int32, the int8 parts hi and lo four a word (see below)
-    qf_ptr,  # out: [QF_FIXED + 2 NCH] fp32
+    qc_ptr,  # out: [nq, NCH, 4, 8] int32, the int8 parts hi and lo four a word (see below)
+    qf_ptr,  # out: [nq, QF_FIXED + 2 NCH] fp32
     gate_ptr,
+    stride_q,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DB: tl.constexpr,
@@ -158,9 +160,13 @@ def _prep_kernel(
     METRIC: tl.constexpr,
     GATED: tl.constexpr,
 ):
-    # grid: (NCH,): program c rotates the query onto chunk c's 64 dimensions and writes their
-    # int8 parts, with a scale of the chunk's own
+    # grid: (NCH, nq): program (c, i) rotates query i onto chunk c's 64 dimensions and writes
+    # their int8 parts, with a scale of the chunk's own
     c = tl.program_id(0)
+    i = tl.program_id(1)
+    q_ptr += i * stride_q
+    qc_ptr += i * (NCH * 32)
+    qf_ptr += i * (_QF_FIXED + 2 * NCH)
     go = 1
     if GATED:
         go = tl.load(gate_ptr)
@@ -282,13 +288,13 @@ def choose_config(dim: int, on_gpu: bool) -> ScanConfig:
 
 def prep(q: Any, rot32: Any, mean32: Any, qc: Any, qf: Any, *, metric: int, gate: Any = None
          ) -> None:  # fmt: skip
-    """The rotated query's operands: q [1, D] (unit stride) -> qc [NCH, 4, 8] int32 (its int8
-    parts, four a word: scan_topk's _tile_bounds4), qf [QF_FIXED + 2 NCH] fp32 (see the module
-    doc)."""
-    dim = q.shape[1]
-    nch = qc.shape[0]
-    launch(_prep_kernel, (nch,),
-        q, rot32, mean32, qc, qf, q if gate is None else gate,
+    """The rotated queries' operands: q [nq, D] (unit stride in D) -> qc [nq, NCH, 4, 8]
+    int32 (each query's int8 parts, four a word: scan_topk's _tile_bounds4), qf [nq, QF_FIXED
+    + 2 NCH] fp32 (see the module doc); one query's may drop the leading axis."""
+    nq, dim = q.shape
+    nch = qc.shape[-3]
+    launch(_prep_kernel, (nch, nq),
+        q, rot32, mean32, qc, qf, q if gate is None else gate, q.stride(0),
         D=dim, BLOCK_D=block_d(dim), DB=min(block_d(dim), 128), NCH=nch, METRIC=metric,
         GATED=gate is not None, num_warps=4,
     )  # fmt: skip
