@@ -20,6 +20,15 @@ def make_index(metric: str, dtype: str, dim: int, device: str) -> CudaFlatIndex:
     )
 
 
+def anisotropic(rng: np.random.Generator, n: int, dim: int) -> np.ndarray:
+    """Real embeddings' shape: a shared mean direction, a decaying spectrum, clusters."""
+    mean = rng.standard_normal(dim) * 3.0 / np.sqrt(dim)
+    spectrum = np.arange(1, dim + 1) ** -0.8
+    centres = rng.standard_normal((8, dim)) * spectrum
+    x = mean + centres[rng.integers(0, 8, n)] + 0.3 * rng.standard_normal((n, dim)) * spectrum
+    return x.astype(np.float32)
+
+
 def unprovable_rows(
     rng: np.random.Generator, dim: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

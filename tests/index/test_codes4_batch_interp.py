@@ -17,7 +17,7 @@ from triton_interp import torch, triton  # noqa: F401  (first: sets TRITON_INTER
 import numpy as np
 import pytest
 
-from cuda_reference import check_result, check_search, stored_vectors
+from cuda_reference import anisotropic, check_result, check_search, stored_vectors
 from kalos.index import cuda_flat
 from kalos.index.cuda_flat import CudaFlatIndex
 from kalos.index.kernels import codes4_batch
@@ -26,15 +26,6 @@ from kalos.index.kernels import codes4_batch
 def cascade_index(metric: str, dim: int) -> CudaFlatIndex:
     return CudaFlatIndex(dim=dim, metric=metric, spec="cuda:flat,fp16,scan=4bit", device="cpu",
                          scan="4bit")  # fmt: skip
-
-
-def anisotropic(rng: np.random.Generator, n: int, dim: int) -> np.ndarray:
-    """Real embeddings' shape: a shared mean direction, a decaying spectrum, clusters."""
-    mean = rng.standard_normal(dim) * 3.0 / np.sqrt(dim)
-    spectrum = np.arange(1, dim + 1) ** -0.8
-    centres = rng.standard_normal((8, dim)) * spectrum
-    x = mean + centres[rng.integers(0, 8, n)] + 0.3 * rng.standard_normal((n, dim)) * spectrum
-    return x.astype(np.float32)
 
 
 def listed(idx: CudaFlatIndex, nq: int, k: int) -> list[int]:

@@ -16,7 +16,7 @@ from triton_interp import torch, triton  # noqa: F401  (first: sets TRITON_INTER
 import numpy as np
 import pytest
 
-from cuda_reference import check_dp4a, check_graph_search, check_search, stored_vectors
+from cuda_reference import anisotropic, check_dp4a, check_graph_search, check_search, stored_vectors
 from kalos.index import cuda_flat
 from kalos.index.cuda_flat import CudaFlatIndex
 from kalos.index.kernels import codes4
@@ -27,15 +27,6 @@ def cascade_index(metric: str, dim: int, dtype: str = "fp16") -> CudaFlatIndex:
                         device="cpu", dtype=dtype, scan="4bit")  # fmt: skip
     idx.prefilter_min_rows = 0  # the cascade at any size (it pays from ~1M rows on)
     return idx
-
-
-def anisotropic(rng: np.random.Generator, n: int, dim: int) -> np.ndarray:
-    """Real embeddings' shape: a shared mean direction, a decaying spectrum, clusters."""
-    mean = rng.standard_normal(dim) * 3.0 / np.sqrt(dim)
-    spectrum = np.arange(1, dim + 1) ** -0.8
-    centres = rng.standard_normal((8, dim)) * spectrum
-    x = mean + centres[rng.integers(0, 8, n)] + 0.3 * rng.standard_normal((n, dim)) * spectrum
-    return x.astype(np.float32)
 
 
 def candidates(idx: CudaFlatIndex, k: int) -> int:

@@ -272,7 +272,20 @@ def _merge_kernel(
     SPLIT: tl.constexpr,
     METRIC: tl.constexpr,
 ):
-    qid = tl.program_id(0)
+    write_merged(
+        tl.program_id(0), best_ptr, ids_ptr, q_ptr, scores_ptr, out_ids_ptr, k, stride_q,
+        stride_os, stride_oi, D, BLOCK_D, KP, SPLIT, METRIC,
+    )  # fmt: skip
+
+
+@triton.jit
+def write_merged(
+    qid, best_ptr, ids_ptr, q_ptr, scores_ptr, out_ids_ptr, k, stride_q, stride_os, stride_oi,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, KP: tl.constexpr, SPLIT: tl.constexpr,
+    METRIC: tl.constexpr,
+):  # fmt: skip
+    # query qid's top-k of its SPLIT programs' best keys (best: [nq, SPLIT, KP] int64),
+    # written out as _write_top does (also kernels.codes4_batch's finish)
     keys = tl.load(best_ptr + qid.to(tl.int64) * (SPLIT * KP) + tl.arange(0, SPLIT * KP))
     top = _topk_desc(tl.reshape(keys, [1, SPLIT * KP]), KP)
     _write_top(

@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from kalos.index.kernels import codes4
+from kalos.index.kernels.batch_topk import write_merged
 from kalos.index.kernels.precompile import launch
 from kalos.index.kernels.scan_topk import (
     ScanConfig,
@@ -53,7 +54,6 @@ from kalos.index.kernels.scan_topk import (
     _scope_mask,
     _tile_scores,
     _topk_desc,
-    _write_top,
     block_d,
     key_width,
     next_pow2,
@@ -264,11 +264,9 @@ def _finish_kernel(
     METRIC: tl.constexpr,
 ):
     i = tl.program_id(0)
-    keys = tl.load(part_ptr + i.to(tl.int64) * (SPLIT * KP) + tl.arange(0, SPLIT * KP))
-    top = _topk_desc(tl.reshape(keys, [1, SPLIT * KP]), KP)
-    _write_top(
-        i, tl.reshape(top, [KP]), ids_ptr, q_ptr, scores_ptr, out_ids_ptr, k, stride_q,
-        stride_os, stride_oi, D, BLOCK_D, KP, METRIC,
+    write_merged(
+        i, part_ptr, ids_ptr, q_ptr, scores_ptr, out_ids_ptr, k, stride_q, stride_os, stride_oi,
+        D, BLOCK_D, KP, SPLIT, METRIC,
     )  # fmt: skip
     tl.store(listed_ptr + i, tl.load(count_ptr + i))
     tl.store(count_ptr + i, 0)
