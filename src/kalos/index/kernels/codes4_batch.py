@@ -69,6 +69,10 @@ _QF_FIXED: tl.constexpr = tl.constexpr(codes4.QF_FIXED)
 _NONE32: tl.constexpr = tl.constexpr(-(2**31))  # no group best yet (below every float's key)
 _KEY_NONE: tl.constexpr = tl.constexpr(-(2**63))
 _EMIT_BLOCK = 1024
+# (do_not_specialize below: the arguments whose value changes within a batch bucket or whose
+# alignment depends on the caller's buffers, such as a response arena's results, so that the
+# warm-up's variants are the ones a search takes; the capacity, a multiple of 16, keeps its
+# key: as kernels.scan_topk's)
 
 
 @triton.jit
@@ -84,7 +88,7 @@ def _float32(key):
     return bits.to(tl.float32, bitcast=True)
 
 
-@triton.jit(do_not_specialize=("nq", "cap", "kg"))
+@triton.jit(do_not_specialize=("nq", "kg"))
 def _bounds_kernel(
     codes_ptr,  # codes: [NCH, cap, 32] uint8 (codes4.encode)
     meta_ptr,  # meta: [2, cap] fp32, (scale, width per unit |q|)
@@ -165,7 +169,7 @@ def _bounds_kernel(
                       sem="relaxed")  # fmt: skip
 
 
-@triton.jit(do_not_specialize=("cap", "kg"))
+@triton.jit(do_not_specialize=("kg",))
 def _emit_kernel(
     up_ptr,  # upper: [>= nq, cap] fp32, the bounds pass's
     n_ptr,  # n: [1] int32, the live rows
@@ -198,7 +202,7 @@ def _emit_kernel(
             tl.store(out_row + pos, rows, mask=live != 0)
 
 
-@triton.jit(do_not_specialize=("cap", "stride_q"))
+@triton.jit(do_not_specialize=("q_ptr", "stride_q"))
 def _rescore_kernel(
     db_ptr,  # db: [cap, D], the stored rows
     sq_ptr,  # sqnorms: [cap] fp32
@@ -242,7 +246,17 @@ def _rescore_kernel(
     tl.store(part_ptr + (i * SPLIT + s).to(tl.int64) * KP + kk, tl.reshape(run, [KP]))
 
 
-@triton.jit(do_not_specialize=("k", "stride_q", "stride_os", "stride_oi"))
+@triton.jit(
+    do_not_specialize=(
+        "q_ptr",
+        "scores_ptr",
+        "out_ids_ptr",
+        "k",
+        "stride_q",
+        "stride_os",
+        "stride_oi",
+    )
+)
 def _finish_kernel(
     part_ptr,  # [nq, SPLIT, KP] int64, the rescore programs' bests
     ids_ptr,  # ids: [cap] int64, row -> id
