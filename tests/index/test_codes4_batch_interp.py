@@ -47,6 +47,12 @@ def test_which_batches_take_the_batched_cascade():
     assert int8.scan == "int8" and not int8._batch4(4, 10)
 
 
+def test_the_spec_sets_the_largest_batch(monkeypatch):
+    monkeypatch.setattr(cuda_flat, "parse_spec", lambda spec: ("cpu", "fp16", "4bit", 4))
+    idx = CudaFlatIndex.from_spec("cuda:flat,scan=4bit,batch4=4", dim=300, metric="ip")
+    assert idx.batch4_max_batch == 4 and idx._batch4(4, 10) and not idx._batch4(5, 10)
+
+
 @pytest.mark.parametrize(
     "metric,dim,n,nq,k",
     [

@@ -29,12 +29,15 @@ from kalos.index.cuda_flat import SearchGraph, parse_spec
 
 
 def test_parse_spec():
-    assert parse_spec("cuda:flat,fp16") == ("cuda", "fp16", "auto")
-    assert parse_spec("cuda:flat") == ("cuda", "fp16", "auto")
-    assert parse_spec("cuda:1:flat,bf16") == ("cuda:1", "bf16", "auto")
-    assert parse_spec("cuda:flat,fp32,scan=full") == ("cuda", "fp32", "full")
-    assert parse_spec("cuda:flat,scan=int8") == ("cuda", "fp16", "int8")
-    for bad in ("cuda:flat,fp8", "cuda:flat,scan=pq", "cpu:flat"):
+    assert parse_spec("cuda:flat,fp16") == ("cuda", "fp16", "auto", 16)
+    assert parse_spec("cuda:flat") == ("cuda", "fp16", "auto", 16)
+    assert parse_spec("cuda:1:flat,bf16") == ("cuda:1", "bf16", "auto", 16)
+    assert parse_spec("cuda:flat,fp32,scan=full") == ("cuda", "fp32", "full", 16)
+    assert parse_spec("cuda:flat,scan=int8") == ("cuda", "fp16", "int8", 16)
+    assert parse_spec("cuda:flat,scan=4bit,batch4=64") == ("cuda", "fp16", "4bit", 64)
+    assert parse_spec("cuda:flat,batch4=0") == ("cuda", "fp16", "auto", 0)
+    bad_batch4 = ("cuda:flat,batch4=3", "cuda:flat,batch4=128", "cuda:flat,batch4=x")
+    for bad in ("cuda:flat,fp8", "cuda:flat,scan=pq", "cpu:flat", *bad_batch4):
         with pytest.raises(ConfigError):
             parse_spec(bad)
 

@@ -73,14 +73,17 @@ CODES4_FIT_ROWS = 1024
 BATCH4_MAX_BATCH = 16
 
 
-def parse_spec(spec: str) -> tuple[str, str, str]:
-    """``"cuda:flat,fp16"`` -> ("cuda", "fp16", "auto"); ``"cuda:1:flat,bf16,scan=full"`` ->
-    ("cuda:1", "bf16", "full"). Options after the kind: the storage dtype, and the scan of
-    single-query searches: ``scan=4bit`` (the 4-bit cascade, exact, see
-    kalos.index.kernels.codes4), ``scan=int8`` (int8 codes first, proven or replayed),
-    ``scan=full``, or ``scan=auto`` (the default: 4bit from 257 to 512 dims, else int8)."""
+def parse_spec(spec: str) -> tuple[str, str, str, int]:
+    """``"cuda:flat,fp16"`` -> ("cuda", "fp16", "auto", BATCH4_MAX_BATCH);
+    ``"cuda:1:flat,bf16,scan=full"`` -> ("cuda:1", "bf16", "full", ...). Options after the
+    kind: the storage dtype; the scan of single-query searches: ``scan=4bit`` (the 4-bit
+    cascade, exact, see kalos.index.kernels.codes4), ``scan=int8`` (int8 codes first, proven
+    or replayed), ``scan=full``, or ``scan=auto`` (the default: 4bit from 257 to 512 dims,
+    else int8); and with the 4-bit cascade, ``batch4=N``: batches of up to N queries (a size
+    bucket, N a power of two up to 64; 0: none) take its batched form
+    (kalos.index.kernels.codes4_batch)."""
     head, *opts = spec.split(",")
-    dtype, scan = "fp16", "auto"
+    dtype, scan, batch4 = "fp16", "auto", BATCH4_MAX_BATCH
     for opt in (o.strip() for o in opts):
         if opt in _DTYPES:
             dtype = opt
@@ -88,10 +91,15 @@ def parse_spec(spec: str) -> tuple[str, str, str]:
             scan = opt[5:]
             if scan not in _SCANS:
                 raise ConfigError(f"{opt!r} in {spec!r}: scan= is one of {', '.join(_SCANS)}")
+        elif opt.startswith("batch4="):
+            text = opt[7:]
+            batch4 = int(text) if text.isdigit() else -1
+            if batch4 not in (0, 1, 2, 4, 8, 16, 32, 64):
+                raise ConfigError(f"{opt!r} in {spec!r}: batch4= is 0 or a power of two <= 64")
         elif opt:
             raise ConfigError(
-                f"option {opt!r} in {spec!r}: a storage dtype ({', '.join(_DTYPES)}) or "
-                f"scan=({'|'.join(_SCANS)})"
+                f"option {opt!r} in {spec!r}: a storage dtype ({', '.join(_DTYPES)}), "
+                f"scan=({'|'.join(_SCANS)}) or batch4=N"
             )
     parts = head.strip().split(":")
     if len(parts) == 2 and parts[0] == "cuda" and parts[1] == "flat":
@@ -100,7 +108,7 @@ def parse_spec(spec: str) -> tuple[str, str, str]:
         device = f"cuda:{parts[1]}"
     else:
         raise ConfigError(f"not a cuda flat index spec: {spec!r} (e.g. 'cuda:flat,fp16')")
-    return device, dtype, scan
+    return device, dtype, scan, batch4
 
 
 _HOST_CHECKED = 1 << 16
@@ -183,7 +191,7 @@ class CudaFlatIndex:
         # batches from this size bucket on take the two-pass search (kernels.batch_topk)
         self.two_pass_min_batch = batch_topk.MIN_BATCH
         # scan=4bit: batches up to this size bucket take the batched 4-bit cascade
-        # (kernels.codes4_batch; 0: never), before the two passes
+        # (kernels.codes4_batch; 0: never), before the two passes (the spec's batch4=N)
         self.batch4_max_batch = BATCH4_MAX_BATCH
         # a [programs + 1, 8] int64 tensor that fused scans launched from now on fill with
         # where their time goes (kernels.scan_topk's trace; scripts/search_gpu_phases.py)
@@ -251,8 +259,10 @@ class CudaFlatIndex:
 
     @classmethod
     def from_spec(cls, spec: str, *, dim: int, metric: str) -> CudaFlatIndex:
-        device, dtype, scan = parse_spec(spec)
-        return cls(dim=dim, metric=metric, spec=spec, device=device, dtype=dtype, scan=scan)
+        device, dtype, scan, batch4 = parse_spec(spec)
+        index = cls(dim=dim, metric=metric, spec=spec, device=device, dtype=dtype, scan=scan)
+        index.batch4_max_batch = batch4
+        return index
 
     # ------------------------------------------------------------------------------ storage
 
