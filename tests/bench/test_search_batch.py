@@ -11,6 +11,7 @@ from triton_interp import torch, triton  # noqa: F401  (first: sets TRITON_INTER
 import json
 
 from kalos.cli import build_parser
+from kalos.index import cuda_flat
 
 
 def test_every_path_and_batch_size_is_timed_and_checked(tmp_path) -> None:
@@ -55,7 +56,7 @@ def test_a_4bit_index_adds_the_cascade_rows(tmp_path) -> None:
     assert args.func(args) == 0
     result = json.loads((tmp_path / "search-batch-test.json").read_text())
     assert result["params"]["scan"] == "4bit"
-    assert result["params"]["default_batch4_max_batch"] == 16
+    assert result["params"]["default_batch4_max_batch"] == cuda_flat.BATCH4_MAX_BATCH
     rows = {(r["system"], r["batch"]): r for r in result["rows"]}
     assert {p for p, _ in rows} == {"cascade", "two-pass", "fused", "torch"}
     for b in (1, 4):

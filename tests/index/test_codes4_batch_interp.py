@@ -24,8 +24,10 @@ from kalos.index.kernels import codes4_batch
 
 
 def cascade_index(metric: str, dim: int) -> CudaFlatIndex:
-    return CudaFlatIndex(dim=dim, metric=metric, spec="cuda:flat,fp16,scan=4bit", device="cpu",
-                         scan="4bit")  # fmt: skip
+    idx = CudaFlatIndex(dim=dim, metric=metric, spec="cuda:flat,fp16,scan=4bit", device="cpu",
+                        scan="4bit")  # fmt: skip
+    idx.batch4_max_batch = 16  # batches of 2 to 16 through the batched cascade
+    return idx
 
 
 def listed(idx: CudaFlatIndex, nq: int, k: int) -> list[int]:
@@ -35,8 +37,9 @@ def listed(idx: CudaFlatIndex, nq: int, k: int) -> list[int]:
 
 
 def test_which_batches_take_the_batched_cascade():
+    default = CudaFlatIndex(dim=384, metric="ip", spec="cuda:flat", device="cpu")
+    assert default.batch4_max_batch == cuda_flat.BATCH4_MAX_BATCH
     idx = cascade_index("ip", 384)
-    assert idx.batch4_max_batch == cuda_flat.BATCH4_MAX_BATCH == 16  # the default
     assert [nq for nq in range(1, 40) if idx._batch4(nq, 10)] == list(range(2, 17))
     assert not idx._batch4(4, 65)  # k above the batch lists' 64
     idx.batch4_max_batch = 64

@@ -25,15 +25,17 @@ from cuda_reference import (
     unprovable_rows,
 )
 from kalos.errors import ConfigError, InvalidRequest, NotFound
+from kalos.index import cuda_flat
 from kalos.index.cuda_flat import SearchGraph, parse_spec
 
 
 def test_parse_spec():
-    assert parse_spec("cuda:flat,fp16") == ("cuda", "fp16", "auto", 16)
-    assert parse_spec("cuda:flat") == ("cuda", "fp16", "auto", 16)
-    assert parse_spec("cuda:1:flat,bf16") == ("cuda:1", "bf16", "auto", 16)
-    assert parse_spec("cuda:flat,fp32,scan=full") == ("cuda", "fp32", "full", 16)
-    assert parse_spec("cuda:flat,scan=int8") == ("cuda", "fp16", "int8", 16)
+    b4 = cuda_flat.BATCH4_MAX_BATCH  # the default
+    assert parse_spec("cuda:flat,fp16") == ("cuda", "fp16", "auto", b4)
+    assert parse_spec("cuda:flat") == ("cuda", "fp16", "auto", b4)
+    assert parse_spec("cuda:1:flat,bf16") == ("cuda:1", "bf16", "auto", b4)
+    assert parse_spec("cuda:flat,fp32,scan=full") == ("cuda", "fp32", "full", b4)
+    assert parse_spec("cuda:flat,scan=int8") == ("cuda", "fp16", "int8", b4)
     assert parse_spec("cuda:flat,scan=4bit,batch4=64") == ("cuda", "fp16", "4bit", 64)
     assert parse_spec("cuda:flat,batch4=0") == ("cuda", "fp16", "auto", 0)
     bad_batch4 = ("cuda:flat,batch4=3", "cuda:flat,batch4=128", "cuda:flat,batch4=x")

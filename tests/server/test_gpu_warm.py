@@ -105,7 +105,9 @@ def registry(monkeypatch):
     return reg
 
 
-@pytest.fixture(params=[64, 272], ids=["int8-prefilter", "4bit-cascade"])
+@pytest.fixture(
+    params=[(64, 0), (272, 0), (272, 16)], ids=["int8-prefilter", "4bit-cascade", "4bit-batched"]
+)
 def gpu(monkeypatch, request):
     """A GpuSearch with its doorbell over an interpreted index (no CUDA: host registration
     is recorded, page-locking is a no-op, the stream is None)."""
@@ -129,7 +131,9 @@ def gpu(monkeypatch, request):
         "choose_prefilter_config",
         lambda d, on_gpu, mode=2: choose_prefilter(d, True, mode),
     )
-    index = make_index("ip", "fp16", request.param, "cpu")  # 272: the 4-bit cascade's dims
+    dim, batch4 = request.param
+    index = make_index("ip", "fp16", dim, "cpu")  # 272: the 4-bit cascade's dims
+    index.batch4_max_batch = batch4  # 16: batches of 2 to 16 through the batched cascade
     index._sms = 16  # more programs, as on a GPU: the count changes as the capacity grows
     index.prefilter_min_rows = THRESHOLD
     gpu = GpuSearch(index, doorbell=True)
