@@ -18,8 +18,10 @@ Search (see ``kalos.index.kernels.scan_topk``) is two kernel launches for k <= 2
 k <= 64 (batches): the fused scan + per-program top-k, and a merge of the candidates. Batches
 from ``two_pass_min_batch``'s size bucket on (32 queries by default) take two passes instead
 (``kalos.index.kernels.batch_topk``): each tile's best score per query, then per query the
-tiles that can hold its top-k, scored again. Larger k takes a slower general path: every
-row's key, then ``torch.topk``.
+tiles that can hold its top-k, scored again. On a ``scan=4bit`` index, batches up to the
+spec's ``batch4=N`` (off by default) take the batched 4-bit cascade instead
+(``kalos.index.kernels.codes4_batch``: one read of the 4-bit codes bounds every query). Larger
+k takes a slower general path: every row's key, then ``torch.topk``.
 
 Three ways in, by cost:
 
