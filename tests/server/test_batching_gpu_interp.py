@@ -35,19 +35,21 @@ N = 300
 
 
 def gpu_store(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, dim: int = DIM, batch4: int = 0
 ) -> tuple[GpuSearch, MemoryStore, dict, np.random.Generator]:
     """A store on a cuda index searched through GpuSearch, the CPU standing in for the GPU
-    (no context, no page-locking, no stream): two tenants' rows, and their reference."""
+    (no context, no page-locking, no stream): two tenants' rows, and their reference.
+    ``batch4``: the index's largest batch through the batched 4-bit cascade (257-512 dims)."""
     monkeypatch.setattr(driver, "ensure_context", lambda device: None)
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **kw: self)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **kw: None)
     rng = np.random.default_rng(3)
-    index = make_index("ip", "fp16", DIM, "cpu")
+    index = make_index("ip", "fp16", dim, "cpu")
+    index.batch4_max_batch = batch4
     gpu = GpuSearch(index)
     store = MemoryStore(index, gpu=gpu)
     # fp16 rows: the reference scores the rows as stored
-    vectors = rng.standard_normal((N, DIM)).astype(np.float16).astype(np.float32)
+    vectors = rng.standard_normal((N, dim)).astype(np.float16).astype(np.float32)
     ids = np.arange(1, N + 1, dtype=np.int64)
     tenants = np.where(np.arange(N) % 3 == 0, "b", "a")
     for t in ("a", "b"):
@@ -60,15 +62,18 @@ def gpu_store(
     return gpu, store, items, rng
 
 
-def test_a_batch_on_the_gpu_is_each_search_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    gpu, store, items, rng = gpu_store(monkeypatch)
-    q = rng.standard_normal((6, DIM)).astype(np.float16).astype(np.float32)
+@pytest.mark.parametrize("dim,batch4", [(DIM, 0), (272, 16)], ids=["scan", "batched-cascade"])
+def test_a_batch_on_the_gpu_is_each_search_alone(
+    monkeypatch: pytest.MonkeyPatch, dim: int, batch4: int
+) -> None:
+    gpu, store, items, rng = gpu_store(monkeypatch, dim, batch4)
+    q = rng.standard_normal((6, dim)).astype(np.float16).astype(np.float32)
     members = [
         (q[0:1], 10, None),
         (q[1:3], 3, None),  # two queries, another k: one call of 4 (padded) at k 10
         (q[3:4], 5, M.Scope("a", None, None)),
         (q[4:5], 1, M.Scope("a", None, None)),
-        (np.ones((1, DIM + 1), np.float32), 5, None),  # a bad member fails alone
+        (np.ones((1, dim + 1), np.float32), 5, None),  # a bad member fails alone
         (q[5:6], 7, M.Scope("b", None, None)),  # alone in its filter: a search of its own
     ]
     hits = store.search_many(members)
@@ -81,6 +86,10 @@ def test_a_batch_on_the_gpu_is_each_search_alone(monkeypatch: pytest.MonkeyPatch
         check_search(hit, items, queries, k, "ip", filt, rtol=2e-3)
     # the shapes it used: batches of 4 (3 unscoped queries) and 2 (two scoped), k 10
     assert {(4, 10, False), (2, 10, True)} <= set(gpu._graphs)
+    cascade = [
+        bool(gpu._graphs[key]._ws[0].get("codes4_batch")) for key in ((4, 10, False), (2, 10, True))
+    ]
+    assert cascade == [bool(batch4)] * 2
 
 
 def test_a_batch_left_running_on_the_gpu_keeps_its_answer(monkeypatch: pytest.MonkeyPatch) -> None:
