@@ -14,9 +14,10 @@ shape (``CudaFlatIndex.graph``) and a wait for it, timed on the host:
 - ``cascade`` (a ``scan=4bit`` index: 257 to 512 dims): every batch of 2 or more through the
   batched 4-bit cascade (``kernels.codes4_batch``: one read of the 4-bit codes bounds every
   query, then each query's open rows are scored exactly), a single query through its own
-  cascade (``kernels.codes4``). The index takes the batched cascade up to
-  ``params.default_batch4_max_batch``'s size bucket (16). Its rows give ``listed_p50`` and
-  ``listed_max``: the rows a query left open, over the checked calls;
+  cascade (``kernels.codes4``). By default the index takes the batched cascade up to
+  ``params.default_batch4_max_batch``'s size bucket (0: never; the spec's ``batch4=N``). Its
+  rows give ``listed_p50`` and ``listed_max``: the rows a query left open, over the checked
+  calls;
 - ``torch``: ``torch.topk(q @ db.T)`` on the same fp16 rows, the batch in one product.
 
 The ``two-pass`` and ``fused`` rows keep the batched cascade off.
