@@ -26,13 +26,14 @@ def test_every_path_and_batch_size_is_timed_and_checked(tmp_path) -> None:
     result = json.loads(path.read_text())
     assert (result["params"]["n"], result["params"]["dim"]) == (300, 64)
     rows = {(r["system"], r["batch"]): r for r in result["rows"]}
-    assert set(rows) == {(p, b) for p in ("two-pass", "fused", "torch") for b in (1, 4, 8)}
+    paths = ("two-pass", "fused", "singles", "torch")
+    assert set(rows) == {(p, b) for p in paths for b in (1, 4, 8)}
     assert all(r["wrong"] == 0 and r["p99_us"] >= r["p50_us"] > 0 for r in rows.values())
     assert [rows[("two-pass", b)]["two_pass"] for b in (1, 4, 8)] == [False, True, True]
     assert result["params"]["default_two_pass_batch"] == 32  # the default from 32 queries
-    assert not any(rows[("fused", b)]["two_pass"] for b in (1, 4, 8))
+    assert not any(rows[(p, b)]["two_pass"] for p in ("fused", "singles") for b in (1, 4, 8))
     assert result["checks"]["wrong_results"] == 0
-    assert set(result["checks"]["largest_over_one"]) == {"batch", "two-pass", "fused", "torch"}
+    assert set(result["checks"]["largest_over_one"]) == {"batch", *paths}
     assert "scan" in result["params"] and "listed_p50" not in rows[("fused", 4)]
 
 
@@ -58,7 +59,7 @@ def test_a_4bit_index_adds_the_cascade_rows(tmp_path) -> None:
     assert result["params"]["scan"] == "4bit"
     assert result["params"]["default_batch4_max_batch"] == cuda_flat.BATCH4_MAX_BATCH
     rows = {(r["system"], r["batch"]): r for r in result["rows"]}
-    assert {p for p, _ in rows} == {"cascade", "two-pass", "fused", "torch"}
+    assert {p for p, _ in rows} == {"cascade", "two-pass", "fused", "singles", "torch"}
     for b in (1, 4):
         cascade = rows[("cascade", b)]
         assert cascade["wrong"] == 0 and 5 <= cascade["listed_p50"] <= cascade["listed_max"] <= 300

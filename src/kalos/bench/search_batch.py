@@ -18,6 +18,10 @@ shape (``CudaFlatIndex.graph``) and a wait for it, timed on the host:
   ``params.default_batch4_max_batch``'s size bucket (0: never; the spec's ``batch4=N``). Its
   rows give ``listed_p50`` and ``listed_max``: the rows a query left open, over the checked
   calls;
+- ``singles``: each query of the batch alone, one after another, through the index's
+  one-query graph with its compressed first pass (the int8 prefilter, or at 257 to 512 dims
+  the 4-bit cascade, as a lone search takes it): what answering a batch's members one at a
+  time costs, against which the batched paths pay off;
 - ``torch``: ``torch.topk(q @ db.T)`` on the same fp16 rows, the batch in one product.
 
 The ``two-pass`` and ``fused`` rows keep the batched cascade off.
@@ -49,7 +53,7 @@ from kalos.bench.common import (
 from kalos.bench.plots import plot_result
 
 SCENARIO = "search-batch"
-PATHS = ("cascade", "two-pass", "fused", "torch")
+PATHS = ("cascade", "two-pass", "fused", "singles", "torch")
 TWO_PASS_FROM = 2  # the two-pass rows: every batch from this size
 
 
@@ -106,11 +110,13 @@ def run(args: argparse.Namespace) -> int:
     samples: dict[str, dict[str, np.ndarray]] = {}
     wrong_total = 0
     paths = [p for p in PATHS if p != "cascade" or index.scan == "4bit"]
+    min_rows = index.prefilter_min_rows  # (the cascade's one-query row takes it at any size)
     for b in args.batches:
         group = samples.setdefault(f"batch {b}", {})
         for path in paths:
             checked: list[tuple[Any, Any]] = []
             listed: list[int] = []
+            index.prefilter_min_rows = min_rows
             call, two_pass, open_rows = _caller(path, index, stored, b, k)
             for i in range(5):  # the kernels compiled, the caches warm
                 call(picks(b, i))
@@ -180,17 +186,23 @@ def _caller(path: str, index: Any, stored: Any, b: int, k: int) -> tuple[Any, bo
         return (lambda q: torch.topk(q.to(torch.float16) @ db16, k, dim=1).indices), False, None
     index.two_pass_min_batch = TWO_PASS_FROM if path == "two-pass" else 2**30
     index.batch4_max_batch = 2**30 if path == "cascade" else 0
-    if path == "cascade" and b == 1:  # one query: its own cascade (the prefilter's graph)
-        index.prefilter_min_rows = 0
+    stream = torch.cuda.current_stream() if index.device.type == "cuda" else None
+    if path == "singles" or (path == "cascade" and b == 1):
+        # one query at a time through the prefilter's graph (a cascade index: its cascade)
+        if path == "cascade":
+            index.prefilter_min_rows = 0
         graph = index.graph(1, k, prefilter=True)
-        stream = torch.cuda.current_stream() if index.device.type == "cuda" else None
 
-        def one(q: Any) -> Any:
-            graph.query.copy_(q)
-            graph.replay_and_wait(stream)
-            return graph.ids
+        def singles(q: Any) -> Any:
+            out = []
+            for i in range(len(q)):
+                graph.query.copy_(q[i : i + 1])
+                graph.replay_and_wait(stream)
+                out.append(graph.ids.clone() if len(q) > 1 else graph.ids)
+            return out[0] if len(out) == 1 else torch.cat(out)
 
-        return one, False, lambda: [int(graph._status_np[1])]
+        opened = (lambda: [int(graph._status_np[1])]) if path == "cascade" else None
+        return singles, False, opened
     graph = index.graph(b, k)
     ws = graph._ws[0]
 
