@@ -16,6 +16,7 @@ import pytest
 
 from cuda_reference import make_index
 from kalos import _native
+from kalos.errors import InvalidRequest
 from kalos.gpu import driver
 from kalos.index.cuda_flat import SearchGraph
 from kalos.protocol import layout as L
@@ -90,6 +91,47 @@ def test_a_batch_on_the_gpu_is_each_search_alone(
         bool(gpu._graphs[key]._ws[0].get("codes4_batch")) for key in ((4, 10, False), (2, 10, True))
     ]
     assert cascade == [bool(batch4)] * 2
+
+
+def test_a_batch_taken_one_member_at_a_time_spills_into_more_calls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Members come one at a time (kalos.stores.batch), each checked and stacked into its
+    filter's call as it comes; a call full at the GPU's batch limit leaves the next member to a
+    new one, a member above the limit is searched alone, and every answer is exact."""
+    gpu, store, items, rng = gpu_store(monkeypatch)
+    monkeypatch.setattr(gpu, "max_batch", 4)
+    q = rng.standard_normal((16, DIM)).astype(np.float16).astype(np.float32)
+    a, b = M.Scope("a", None, None), M.Scope("b", None, None)
+    members = [
+        (q[0:2], 10, None),
+        (q[2:3], 4, a),
+        (q[3:5], 3, None),  # the unscoped call holds 4 rows: full
+        (q[5:6], 6, None),  # ... so this one starts another
+        (q[6:11], 5, None),  # 5 rows, above the limit: a search of its own, the call kept
+        (q[11:12], 2, a),
+        (np.full((1, DIM), np.nan, np.float32), 5, b),  # fails its check alone
+        (q[12:13], 7, None),
+        (q[13:14], 1, b),
+    ]
+    batch = store.batch()
+    for queries, k, scope in members:
+        batch.add(queries, k, scope)
+    assert len(batch) == len(members)
+    batch.start()
+    batch.land()
+    hits = batch.results()
+    assert isinstance(hits[6], InvalidRequest) and "NaN" in str(hits[6])
+    for i, ((queries, k, scope), hit) in enumerate(zip(members, hits, strict=True)):
+        if i == 6:
+            continue
+        assert not isinstance(hit, Exception), hit
+        assert hit[1].shape == (len(queries), k)
+        check_search(hit, items, queries, k, "ip", store.scopes.filter(scope), rtol=2e-3)
+    assert batch.results() is hits  # answered once
+    # the calls it made: the full one of 4 unscoped rows, the next of 2 (q[5], q[12]), the
+    # scoped pair of 2; the 5-row member and b's lone member each alone
+    assert {(4, 10, False), (2, 10, False), (2, 10, True)} <= set(gpu._graphs)
 
 
 def test_a_batch_left_running_on_the_gpu_keeps_its_answer(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -568,12 +568,14 @@ class Dispatcher:
 
 class BatchRun:
     """One batch of searches and recalls between its decode and its answers
-    (:meth:`Dispatcher.begin_batch`): members are decoded as they come (:meth:`add`);
+    (:meth:`Dispatcher.begin_batch`): members are decoded, and their searches checked, as
+    they come (:meth:`add`; kalos.stores.batch);
     :meth:`start` starts the pass over the index and says whether it is still running (a GPU
     index's batched call, left running so that the sidecar can decode the next batch
     meanwhile; :meth:`done` asks whether it has finished); :meth:`collect` waits for it and
-    keeps its answers; :meth:`finish` writes each member's response, returning what
-    :meth:`Dispatcher.handle_batch` does."""
+    keeps its answers (the GPU is then free for the next pass); :meth:`finish` splits them
+    and writes each member's response, returning what :meth:`Dispatcher.handle_batch`
+    does."""
 
     def __init__(
         self, dispatcher: Dispatcher, members: Sequence[tuple[int, int, np.ndarray, np.ndarray]]
@@ -584,14 +586,13 @@ class BatchRun:
         d.gpu_buffer = d.pinned = d.reader = None
         self._members: list[tuple[int, int, np.ndarray, np.ndarray]] = []
         self._results: list[tuple[int, int, int, int] | None] = []
-        # (member, its finish: hits and search ns -> (response length, write at), queries, k,
-        # scope, nprobe)
-        self._jobs: list[
-            tuple[int, Callable[[Any, int], tuple[int, int]], np.ndarray, int, Any, int]
-        ] = []
-        self._hits: Callable[[], list[Any]] | None = None
+        # (member, its finish: hits and search ns -> (response length, write at)), each one
+        # decoded; their searches, checked as they come (stores.batch)
+        self._jobs: list[tuple[int, Callable[[Any, int], tuple[int, int]]]] = []
+        self._batch = d.memories.batch()
         self._done: Callable[[], bool] | None = None
-        self._found: list[Any] | None = None  # the pass's answers (collect)
+        self._started = False
+        self._landed = False
         self._t1 = 0
         self._search_ns = 0
         self.add(members)
@@ -605,22 +606,24 @@ class BatchRun:
             self._results.append(None)
             d.requests[op] += 1
             try:
-                self._jobs.append((i, *d._batch_job(op, flags, body, out)))
+                finish, queries, k, scope, nprobe = d._batch_job(op, flags, body, out)
             except Exception as exc:
                 self._results[i] = d._failure(op, exc, out, t0)
+                continue
+            self._jobs.append((i, finish))
+            self._batch.add(queries, k, scope, nprobe)
 
     def start(self) -> bool:
         """Starts the pass over the index; returns whether it is still running."""
-        d, jobs = self._dispatcher, self._jobs
+        d = self._dispatcher
         gpu = d.memories.gpu
         if gpu is not None:  # no graph may stay armed ahead of this work
             t = _monotonic_ns()
             gpu.settle()
             d.batch_settle_ns += _monotonic_ns() - t
         self._t1 = _monotonic_ns()
-        self._hits, self._done = d.memories.start_search_many(
-            [(q, k, scope) for _, _, q, k, scope, _ in jobs], nprobes=[p for *_, p in jobs]
-        )
+        self._started = True
+        self._done = self._batch.start()
         return self._done is not None
 
     def done(self) -> bool:
@@ -634,10 +637,12 @@ class BatchRun:
 
     def collect(self) -> None:
         """Waits for the pass and keeps its answers, copied out of the GPU's staging: the
-        next batch's pass may start before :meth:`finish` writes the responses."""
-        assert self._hits is not None, "collect before start"
-        if self._found is None:
-            self._found = self._hits()
+        next batch's pass may start before :meth:`finish` splits them per member and writes
+        the responses."""
+        assert self._started, "collect before start"
+        if not self._landed:
+            self._landed = True
+            self._batch.land()
             self._search_ns = _monotonic_ns() - self._t1
             self._dispatcher.batch_search_ns += self._search_ns
 
@@ -646,10 +651,9 @@ class BatchRun:
         (status, response length, compute ns, write ns) in the members' order."""
         self.collect()
         d, t0, results = self._dispatcher, self._t0, self._results
-        hits, search_ns = self._found, self._search_ns
-        assert hits is not None
+        hits, search_ns = self._batch.results(), self._search_ns
         members = self._members
-        for (i, finish, *_), hit in zip(self._jobs, hits, strict=True):
+        for (i, finish), hit in zip(self._jobs, hits, strict=True):
             out = members[i][3]
             try:
                 if isinstance(hit, Exception):

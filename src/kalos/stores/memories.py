@@ -29,6 +29,7 @@ from kalos.index.rows import RowTable
 from kalos.protocol import codes
 from kalos.protocol import layout as L
 from kalos.protocol.codes import check_k, check_nprobe
+from kalos.stores.batch import SearchBatch
 from kalos.stores.device_columns import DeviceColumns
 from kalos.stores.limits import Limits, check_size
 from kalos.stores.metadata import MetadataTable
@@ -415,145 +416,27 @@ class MemoryStore:
         whether it is done (None: nothing runs). While it runs, nothing else may use the GPU
         or change the store: the caller holds the dispatch lock until it has the answers.
         Elsewhere (a CPU index, a call that cannot run ahead) the answers are there when
-        this returns."""
-        results: list[tuple[np.ndarray, np.ndarray] | Exception | None] = [None] * len(members)
-        todo: list[tuple[int, np.ndarray, int, tuple[int, int, int] | None]] = []
+        this returns. (:meth:`batch` takes the members one at a time.)"""
+        batch = self.batch()
         for i, (queries, k, scope) in enumerate(members):
-            try:
-                self.check_vectors(queries, "the query")
-                check_k(k)
-            except InvalidRequest as exc:
-                results[i] = exc
-                continue
-            todo.append((i, queries, k, self.scopes.filter(scope)))
-        found: list[tuple[np.ndarray, np.ndarray] | Exception] | None = None
-        last: tuple[Callable[[], None], Callable[[], bool]] | None = None  # the GPU's, running
-        try:
-            if self.gpu is not None:
-                found, last = self._gpu_many(self.gpu, todo)
-            elif todo:
-                found = self._index_many(todo, nprobes)
-        except Exception:  # whichever member caused it: each alone, so it fails only itself
-            found = None
+            batch.add(queries, k, scope, nprobes[i] if nprobes else 0)
+        done = batch.start()
+        return batch.results, done
 
-        def finish() -> list[tuple[np.ndarray, np.ndarray] | Exception]:
-            hits = found
-            if last is not None:
-                try:
-                    last[0]()
-                except Exception:
-                    hits = None
-            if hits is None:
-                hits = []
-                for i, q, k, f in todo:
-                    try:
-                        hits.append(self._search_alone(q, k, f, nprobes[i] if nprobes else 0))
-                    except Exception as exc:
-                        hits.append(exc)
-            for (i, *_), hit in zip(todo, hits, strict=True):
-                results[i] = hit
-            return results  # type: ignore[return-value]
+    def batch(self) -> SearchBatch:
+        """An empty :class:`~kalos.stores.batch.SearchBatch` of this store: searches taken one
+        at a time, then answered by one pass (the sidecar's dynamic batching)."""
+        return SearchBatch(self)
 
-        return finish, None if last is None else last[1]
-
-    def _index_many(
-        self,
-        todo: list[tuple[int, np.ndarray, int, tuple[int, int, int] | None]],
-        nprobes: Sequence[int] | None,
-    ) -> list[tuple[np.ndarray, np.ndarray] | Exception]:
-        """The index's share of :meth:`search_many`: one ``Index.search_many`` per distinct
-        probe count, the answers back in ``todo``'s order."""
-        found: list[tuple[np.ndarray, np.ndarray] | Exception | None] = [None] * len(todo)
-        groups: dict[int, list[int]] = {}
-        for j, (i, *_) in enumerate(todo):
-            groups.setdefault(nprobes[i] if nprobes else 0, []).append(j)
-        for nprobe, js in groups.items():
-            hits = self.index.search_many([todo[j][1:] for j in js], nprobe=nprobe)
-            for j, hit in zip(js, hits, strict=True):
-                found[j] = hit
-        return found  # type: ignore[return-value]
-
-    def _search_alone(
+    def search_alone(
         self, queries: np.ndarray, k: int, filt: tuple[int, int, int] | None, nprobe: int = 0
     ) -> tuple[np.ndarray, np.ndarray]:
+        """A checked search by its scope filter's codes (:meth:`ScopeCodes.filter`), with
+        answers the caller owns: a batch's member searched on its own."""
         if self.gpu is not None:
             scores, ids = self.gpu.search(queries, k, filt)
             return scores.copy(), ids.copy()  # GPU staging is reused: own them
         return self.index.search(queries, k, scope=filt, nprobe=nprobe)
-
-    def _gpu_many(
-        self, gpu: GpuSearcher, todo: list[tuple[int, np.ndarray, int, tuple[int, int, int] | None]]
-    ) -> tuple[
-        list[tuple[np.ndarray, np.ndarray] | Exception],
-        tuple[Callable[[], None], Callable[[], bool]] | None,
-    ]:
-        """The GPU's share of :meth:`start_search_many`: members grouped by scope filter, each
-        group in calls of at most ``gpu.max_batch`` queries, padded to a power of two (a
-        graph is captured once per batch size and k: few sizes, few captures). The last call
-        is left running where it can be: returns what waits for it (and fills its members'
-        slots of the list returned) and what says whether it is done, or None."""
-        found: list[tuple[np.ndarray, np.ndarray] | Exception | None] = [None] * len(todo)
-        calls: list[tuple[list[int], int, tuple[int, int, int] | None]] = []
-        groups: dict[tuple[int, int, int] | None, list[int]] = {}  # filter -> members
-        for j, (_, _, _, filt) in enumerate(todo):
-            groups.setdefault(filt, []).append(j)
-        for filt, members in groups.items():
-            chunk: list[int] = []
-            rows = 0
-            for j in [*members, -1]:
-                nq = len(todo[j][1]) if j >= 0 else 0
-                if chunk and (j < 0 or rows + nq > gpu.max_batch):
-                    calls.append((chunk, rows, filt))
-                    chunk, rows = [], 0
-                if j >= 0:
-                    chunk.append(j)
-                    rows += nq
-        calls.sort(key=lambda call: len(call[0]) > 1)  # a batched call last: it may run on
-        last = None
-        for c, (chunk, rows, filt) in enumerate(calls):
-            waiting = self._gpu_call(gpu, [todo[j] for j in chunk], rows, filt, found, chunk,
-                                     run_ahead=c == len(calls) - 1)  # fmt: skip
-            if waiting is not None:
-                last = waiting
-        return found, last  # type: ignore[return-value]
-
-    def _gpu_call(
-        self, gpu: GpuSearcher, members: list[tuple[int, np.ndarray, int, Any]], rows: int,
-        filt: tuple[int, int, int] | None, found: list[Any], slots: list[int],
-        run_ahead: bool = False,
-    ) -> tuple[Callable[[], None], Callable[[], bool]] | None:  # fmt: skip
-        """One batched GPU search for ``members`` (one filter, ``rows`` queries in all).
-        ``run_ahead``: left running where the GPU can (GpuSearcher.start); returns then what
-        waits for it and fills ``found``, and what says whether it is done; else None
-        (``found`` is filled)."""
-        k = max(m[2] for m in members)
-        if k <= 1000:  # k up to a power of ten, as the batch size to one of two: few graphs
-            k = 10 ** math.ceil(math.log10(k))
-        if len(members) == 1 or k > 1024 or rows > gpu.max_batch:
-            for slot, (_, q, kk, _) in zip(slots, members, strict=True):
-                found[slot] = self._search_alone(q, kk, filt)
-            return None
-        size = min(1 << (rows - 1).bit_length(), gpu.max_batch)
-        batch = np.empty((size, self.dim), np.float32)  # [size, dim]: the queries, padded
-        at = 0
-        for _, q, _, _ in members:
-            batch[at : at + len(q)] = q
-            at += len(q)
-        batch[at:] = batch[0]  # padding rows: a real query (cosine needs a norm); ignored
-
-        def split(result: tuple[np.ndarray, np.ndarray]) -> None:
-            scores, ids = result  # views into staging, [size, k]
-            scores, ids = scores[:rows].copy(), ids[:rows].copy()  # the staging's next call
-            at = 0
-            for slot, (_, q, kk, _) in zip(slots, members, strict=True):
-                found[slot] = (scores[at : at + len(q), :kk], ids[at : at + len(q), :kk])
-                at += len(q)
-
-        running = gpu.start(batch, k, filt) if run_ahead else None
-        if running is None:
-            split(gpu.search(batch, k, filt))
-            return None
-        return lambda: split(running()), running.done
 
     def search_to_device(
         self, buffer: Any, queries: np.ndarray | None, nq: int, k: int,
