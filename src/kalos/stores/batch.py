@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -36,10 +36,22 @@ from kalos.protocol.codes import check_k
 from kalos.types import Scope
 
 if TYPE_CHECKING:
-    from kalos.stores.memories import GpuSearcher, MemoryStore, Running
+    from kalos.stores.gpu_searcher import GpuSearcher, Running
 
 Hit = tuple[np.ndarray, np.ndarray]  # (scores [nq, k], ids [nq, k])
 Filter = tuple[int, int, int] | None  # a scope filter's codes (ScopeCodes.filter)
+
+
+class BatchStore(Protocol):
+    """What a batch asks of its store (:class:`~kalos.stores.memories.MemoryStore`)."""
+
+    gpu: GpuSearcher | None
+    index: Any  # its Index: search_many
+    scopes: Any  # its ScopeCodes: filter
+
+    def check_vectors(self, vectors: np.ndarray, what: str) -> None: ...
+
+    def search_alone(self, queries: np.ndarray, k: int, filt: Filter, nprobe: int = 0) -> Hit: ...
 
 
 class _GpuCall:
@@ -72,7 +84,7 @@ class _GpuCall:
 class SearchBatch:
     """Searches of one store answered by one pass (see the module doc)."""
 
-    def __init__(self, store: MemoryStore) -> None:
+    def __init__(self, store: BatchStore) -> None:
         self._store = store
         self._gpu: GpuSearcher | None = store.gpu
         # each member's answer, in the order added: its error as soon as a check fails
@@ -235,4 +247,4 @@ class SearchBatch:
         return running, lambda: split(running())
 
 
-__all__ = ["SearchBatch"]
+__all__ = ["BatchStore", "SearchBatch"]

@@ -17,7 +17,7 @@ import math
 import os
 import sqlite3
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -31,39 +31,13 @@ from kalos.protocol import layout as L
 from kalos.protocol.codes import check_k, check_nprobe
 from kalos.stores.batch import SearchBatch
 from kalos.stores.device_columns import DeviceColumns
+from kalos.stores.gpu_searcher import GpuSearcher
 from kalos.stores.limits import Limits, check_size
 from kalos.stores.metadata import MetadataTable
 from kalos.types import Scope
 
 if TYPE_CHECKING:
     from kalos.stores.sessions import Tokenizer
-
-
-class GpuSearcher(Protocol):
-    """What the store and its dispatcher ask of a cuda sidecar's GPU search
-    (kalos.server.gpu_search.GpuSearch, set by the sidecar): host results, GPU results into a
-    channel's buffer and their batch limit, and settling the GPU before other work on it.
-    The store imports nothing of the server's."""
-
-    max_batch: int
-
-    def settle(self) -> None: ...
-
-    def search(self, queries: np.ndarray, k: int, scope: Any, out: Any = None,
-               pinned: Any = None) -> tuple[np.ndarray, np.ndarray]: ...  # fmt: skip
-
-    def search_to_device(self, buffer: Any, queries: np.ndarray | None, nq: int, k: int,
-                         scope: Any) -> None: ...  # fmt: skip
-
-    def start(self, queries: np.ndarray, k: int, scope: Any) -> Running | None: ...
-
-
-class Running(Protocol):
-    """A GPU search left running (GpuSearcher.start): call it for its (scores, ids)."""
-
-    def __call__(self) -> tuple[np.ndarray, np.ndarray]: ...
-
-    def done(self) -> bool: ...
 
 
 NO_MATCH = -1  # a filter code that no item carries: a scope name never seen
