@@ -166,6 +166,10 @@ def test_a_channel_holds_its_common_graphs_before_its_first_search(served):
     ch = served.channels[1]
     graphs = dict(ch.pinned.graphs)
     assert set(graphs) == {(1, k, scoped) for k in WARM_K for scoped in (False, True)}
+    # with the doorbell's armed graph ahead of each that publishes, for float32 queries
+    armed = dict(ch.pinned.armed_graphs)
+    publishing = [g for g in graphs.values() if g.publish is not None]
+    assert publishing and set(armed) == {(g, 4) for g in publishing}
     assert int(served.gpu.staging.seq_np[0]) == _native.load_acquire(ch.pinned.resp_seq_addr)
     for i, k in enumerate(WARM_K):
         for scope, code in ((ACME, 1), (None, None)):
@@ -175,6 +179,8 @@ def test_a_channel_holds_its_common_graphs_before_its_first_search(served):
             check_result(served.memories.index, served.x, served.ids, served.scopes, q[None],
                          k, scores, got, scope=None if code is None else (code, 0, 0))  # fmt: skip
     assert ch.pinned.graphs == graphs  # the same graphs, no other
+    assert ch.pinned.armed_graphs == armed  # and the same armed graphs: each arm built none
+    assert served.door.failed is None
 
 
 def test_the_gpu_takes_the_next_search_of_the_same_shape(served):
@@ -434,6 +440,8 @@ def test_a_graph_that_cannot_be_built_turns_the_doorbell_off(served, monkeypatch
         raise RuntimeError("no such PTX instruction")
 
     monkeypatch.setattr(doorbell, "ArmedGraph", refuse)
+    # the channel's armed graphs, made at its handshake: gone, as for a shape it had none of
+    served.channels[0].pinned.armed_graphs.clear()
     for seed in (22, 23, 24):
         q = query(seed)
         status, flags, _, scores, got = served.search(q)
@@ -441,6 +449,13 @@ def test_a_graph_that_cannot_be_built_turns_the_doorbell_off(served, monkeypatch
         served.check(q, scores, got, 1)
     assert served.door.armed is None
     assert served.door.stats()["gpu_doorbell_failed"] == "RuntimeError: no such PTX instruction"
+    # ... and at a handshake (GpuSearch.prepare): the same
+    served.door.failed = None
+    pinned = served.channels[1].pinned
+    pinned.armed_graphs.clear()
+    served.door.prepare(pinned, [g for g in pinned.graphs.values() if g.publish is not None])
+    assert served.door.stats()["gpu_doorbell_failed"] == "RuntimeError: no such PTX instruction"
+    assert pinned.armed_graphs == {}
 
 
 def test_the_doorbell_is_on_in_a_sidecar_by_default_and_off_when_asked(served):
@@ -587,6 +602,9 @@ def streamed(served, monkeypatch):
         self.launch = EmulatedLaunch(self, stream)
 
     monkeypatch.setattr(doorbell.ArmedGraph, "__init__", with_launch)
+    for ch in served.channels:  # the handshake's armed graphs, again with the emulated launch
+        ch.pinned.armed_graphs.clear()
+        served.door.prepare(ch.pinned, [g for g in ch.pinned.graphs.values() if g.publish])
     # 2 s: it settles and parks between bursts, but not while the interpreted kernels behind
     # an answer run (they hold the GIL for hundreds of milliseconds on a busy machine)
     served.poller._spin_ns = 2_000_000_000

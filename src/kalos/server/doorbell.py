@@ -528,6 +528,30 @@ class Doorbell:
         if self._template_for is pinned:
             self._template_for = None
 
+    def prepare(self, pinned: PinnedArena, graphs: list[_HostResultGraph]) -> None:
+        """A new channel's armed graphs, at its handshake (GpuSearch.prepare, under the
+        dispatch lock): one ahead of each of ``graphs`` (its prepared search graphs that
+        publish) for float32 queries, the client's wire dtype unless told float16. Made on
+        its first arm instead, each capture (some ms, in the poller) held up the channel's
+        next request. Whatever is armed is settled first: a capture runs the doorbell's
+        kernel, cancelled, through the shared arm block."""
+        if self.failed is not None:
+            return
+        self.settle()
+        for graph in graphs:
+            key = (graph, 4)
+            armed = pinned.armed_graphs.get(key)
+            if armed is not None and armed.generation == graph.index._generation:
+                continue
+            if armed is not None:
+                armed.close()
+            try:
+                pinned.armed_graphs[key] = ArmedGraph(self, pinned, graph, 4)
+            except Exception as exc:  # as arm: the doorbell off, every request the poller's
+                self.failed = f"{type(exc).__name__}: {exc}"
+                log.warning("the GPU doorbell is off: %s", self.failed)
+                return
+
     def warm(self, pinned: PinnedArena, graph: _HostResultGraph) -> None:
         """Before readiness (GpuSearch.warm): compiles the doorbell's kernel for both wire
         dtypes of the query, and on a GPU captures its armed graph once, ahead of ``graph``

@@ -548,10 +548,12 @@ class GpuSearch:
         """A new channel's own search graphs of the common shapes (one query, each k of
         :data:`WARM_K`, with and without a scope filter), captured now, at its handshake and
         under the dispatch lock, so that none of the channel's first searches waits for a
-        capture (some ms each, every other channel's requests waiting behind it too). Its
-        other shapes are still captured on first use. ``arena``: the channel's response
-        arena, whose start ``pinned`` registers. Cheap in GPU memory: the graphs' row-sized
-        scratch is the index's one copy (``CudaFlatIndex._shared``)."""
+        capture (some ms each, every other channel's requests waiting behind it too); with
+        the doorbell, the armed graph ahead of each that publishes too
+        (:meth:`Doorbell.prepare`). Its other shapes are still captured on first use.
+        ``arena``: the channel's response arena, whose start ``pinned`` registers. Cheap in
+        GPU memory: the graphs' row-sized scratch is the index's one copy
+        (``CudaFlatIndex._shared``)."""
         from kalos.protocol import messages as M
 
         # a capture runs its graph once: what a publishing kernel stores into the channel's
@@ -571,6 +573,9 @@ class GpuSearch:
                 pinned.graphs[key] = graph
         if self.index._on_gpu:  # the captures' runs wrote into the registered arena
             self.stream.synchronize()
+        door = self.doorbell
+        if door is not None and pinned.doorbell is not None:
+            door.prepare(pinned, [g for g in pinned.graphs.values() if g.publish is not None])
 
     def unpin(self, pinned: PinnedArena) -> None:
         """Undoes :meth:`pin` (under the dispatch lock): nothing armed on it any more."""
