@@ -466,11 +466,12 @@ class GpuSearch:
     def warm(self, stop: Callable[[], bool] | None = None) -> float:
         """Before readiness: compiles (or loads from Triton's disk cache) every kernel a
         search can need (:meth:`CudaFlatIndex.warm`), captures the search graphs of the
-        common shapes (:data:`WARM_K`) on the live index, and builds once, on a scratch
-        channel, a graph that writes its response in place and publishes it, the doorbell's
-        armed graph behind it and, on a GPU, the graphs of a GPU result buffer. A channel's
-        own graphs are still captured on its first search of each shape (a capture, some ms:
-        no compile). ``stop``: polled between steps; raises InterruptedError once true.
+        common shapes (:data:`WARM_K`) and those of the batches (each size bucket of up to
+        :attr:`max_batch` queries, k up to 10, scoped or not) on the live index, and builds
+        once, on a scratch channel, a graph that writes its response in place and publishes
+        it, the doorbell's armed graph behind it and, on a GPU, the graphs of a GPU result
+        buffer. A channel's own graphs of the common shapes are captured at its handshake
+        (:meth:`prepare`); other shapes on first use (a capture, some ms: no compile). ``stop``: polled between steps; raises InterruptedError once true.
         Returns the seconds it took."""
         t0 = time.perf_counter()
         index = self.index
@@ -484,6 +485,15 @@ class GpuSearch:
                 if graph is None:
                     graph = self._graphs[key] = _HostResultGraph(index, 1, k, scoped, self.staging)
                 graph._ensure(graph.prefilter)  # the prefilter's part too, whatever n is
+        # the batches' graphs (MemoryStore.batch's calls: each size bucket, k up to 10), so
+        # that a loaded sidecar's first batches wait for no capture either
+        for size in sorted({min(1 << i, self.max_batch) for i in range(1, 7)}):
+            for scoped in (False, True):
+                if stop is not None and stop():
+                    raise InterruptedError("stopped during the kernel warm-up")
+                key = (size, 10, scoped)
+                if key not in self._graphs:
+                    self._graphs[key] = _HostResultGraph(index, size, 10, scoped, self.staging)
         self._warm_channel()
         if index._on_gpu:
             buffer = self.new_result_buffer()
