@@ -471,8 +471,9 @@ class GpuSearch:
         once, on a scratch channel, a graph that writes its response in place and publishes
         it, the doorbell's armed graph behind it and, on a GPU, the graphs of a GPU result
         buffer. A channel's own graphs of the common shapes are captured at its handshake
-        (:meth:`prepare`); other shapes on first use (a capture, some ms: no compile). ``stop``: polled between steps; raises InterruptedError once true.
-        Returns the seconds it took."""
+        (:meth:`prepare`); other shapes on first use (a capture, some ms: no compile).
+        ``stop``: polled between steps; raises InterruptedError once true. Returns the
+        seconds it took."""
         t0 = time.perf_counter()
         index = self.index
         index.warm(publish=True, gated=self.doorbell is not None, stop=stop)
