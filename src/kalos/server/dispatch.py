@@ -607,11 +607,11 @@ class BatchRun:
             d.requests[op] += 1
             try:
                 finish, queries, k, scope, nprobe = d._batch_job(op, flags, body, out)
+                self._batch.add(queries, k, scope, nprobe)
             except Exception as exc:
                 self._results[i] = d._failure(op, exc, out, t0)
                 continue
             self._jobs.append((i, finish))
-            self._batch.add(queries, k, scope, nprobe)
 
     def start(self) -> bool:
         """Starts the pass over the index; returns whether it is still running."""

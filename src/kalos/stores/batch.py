@@ -106,16 +106,17 @@ class SearchBatch:
         :meth:`MemoryStore.search`'s), checked now (under the caller's dispatch lock, as the
         pass: the scope codes cannot change in between)."""
         store = self._store
-        i = len(self._results)
-        self._results.append(None)
-        self._nprobes.append(nprobe)
         try:
             store.check_vectors(queries, "the query")
             check_k(k)
         except InvalidRequest as exc:
-            self._results[i] = exc
+            self._results.append(exc)
+            self._nprobes.append(nprobe)
             return
         filt = store.scopes.filter(scope)
+        i = len(self._results)
+        self._results.append(None)
+        self._nprobes.append(nprobe)
         j = len(self._todo)
         self._todo.append((i, queries, k, filt))
         gpu = self._gpu
