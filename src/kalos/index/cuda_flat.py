@@ -73,7 +73,7 @@ CODES4_FIT_ROWS = 1024
 # scan=4bit: batches up to this size bucket take the batched cascade (CudaFlatIndex's
 # batch4_max_batch, the spec's batch4=N; kernels.codes4_batch). Off (0) by default: on an H100
 # it took 2-16 queries in 70-95% of the two passes' time in process (kalos bench search-batch's
-# cascade rows) but lost from 32, and through a sidecar with 8 clients it did not pay
+# cascade rows) but lost from 32, and through a sidecar with 8 clients it showed no gain
 # (docs/PERFORMANCE.md, "The batched cascade")
 BATCH4_MAX_BATCH = 0
 
