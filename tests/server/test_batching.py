@@ -176,6 +176,34 @@ def test_handle_batch_answers_each_member_exactly(metric: str) -> None:
     assert d.errors == 3
 
 
+def test_a_member_whose_check_breaks_fails_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A member is checked as it joins the batch (kalos.stores.batch): should that raise
+    something unexpected (a bug), that member alone gets a server error, and every other
+    member of the batch its exact answer."""
+    store, items = make_store("ip")
+    d = Dispatcher(store)
+    batch = members()
+    filt = store.scopes.filter
+
+    def broken(scope: M.Scope | None) -> tuple[int, int, int] | None:
+        if scope is not None and scope.tenant == "b":
+            raise RuntimeError("a scope table in a bad state")
+        return filt(scope)
+
+    monkeypatch.setattr(store.scopes, "filter", broken)
+    reqs = [(int(Op.SEARCH), 0, search_body(q, k, s), np.zeros(1 << 16, np.uint8))
+            for q, k, s in batch]  # fmt: skip
+    results = d.handle_batch(reqs)
+    for (q, k, s), (*_, out), (status, n, _, _) in zip(batch, reqs, results, strict=True):
+        if s is not None and s.tenant == "b":
+            assert status == Status.SERVER_ERROR and "bad state" in M.decode_text(out, n)
+            continue
+        assert status == Status.OK, M.decode_text(out, n)
+        r = M.decode_search_response(out, n)
+        check_search((r.scores, r.ids), items, q, k, "ip", filt(s))
+    assert d.errors == 1
+
+
 def test_a_batch_with_several_probe_counts_answers_each_as_alone() -> None:
     """Searches that set their own nprobe join a batch: one pass per probe count, each
     member's answer what the same search alone returns."""
