@@ -367,24 +367,37 @@ class Doorbell:
             return
         if self.failed is not None:
             return
-        key = (graph, self._esize)
-        armed = pinned.armed_graphs.get(key)
-        if armed is None or armed.generation != graph.index._generation:
-            if armed is not None:
-                armed.close()
-            try:
-                armed = ArmedGraph(self, pinned, graph, self._esize)
-            except Exception as exc:  # e.g. a GPU or Triton that cannot build the kernel
-                self.failed = f"{type(exc).__name__}: {exc}"
-                log.warning("the GPU doorbell is off: %s", self.failed)
-                return
-            pinned.armed_graphs[key] = armed
+        armed = self._armed_graph(pinned, graph, self._esize)
+        if armed is None:
+            return
         arm = self.arm_np
         arm[_STATUS_FLAGS] = int(Status.OK) | _PUBLISHED_FLAGS << 32
         arm[_RESP_LEN] = graph.body_len
         self.armed = pinned
         self._graph = armed
         self._launch(seq)
+
+    def _armed_graph(
+        self, pinned: PinnedArena, graph: _HostResultGraph, esize: int
+    ) -> ArmedGraph | None:
+        """``pinned``'s armed graph ahead of ``graph`` for queries of ``esize`` bytes a
+        value: its own, made (captured) now if it has none for the index's storage as it
+        is. None, and the doorbell off (:attr:`failed`), where it cannot be built (e.g. a
+        GPU or Triton that cannot build the kernel): every request then the poller's."""
+        key = (graph, esize)
+        armed = pinned.armed_graphs.get(key)
+        if armed is not None and armed.generation == graph.index._generation:
+            return armed
+        if armed is not None:
+            armed.close()
+        try:
+            armed = pinned.armed_graphs[key] = ArmedGraph(self, pinned, graph, esize)
+        except Exception as exc:
+            pinned.armed_graphs.pop(key, None)
+            self.failed = f"{type(exc).__name__}: {exc}"
+            log.warning("the GPU doorbell is off: %s", self.failed)
+            return None
+        return armed
 
     def _launch(self, seq: int) -> None:
         self.arm_np[_ARMED_SEQ] = seq
@@ -539,17 +552,7 @@ class Doorbell:
             return
         self.settle()
         for graph in graphs:
-            key = (graph, 4)
-            armed = pinned.armed_graphs.get(key)
-            if armed is not None and armed.generation == graph.index._generation:
-                continue
-            if armed is not None:
-                armed.close()
-            try:
-                pinned.armed_graphs[key] = ArmedGraph(self, pinned, graph, 4)
-            except Exception as exc:  # as arm: the doorbell off, every request the poller's
-                self.failed = f"{type(exc).__name__}: {exc}"
-                log.warning("the GPU doorbell is off: %s", self.failed)
+            if self._armed_graph(pinned, graph, 4) is None:
                 return
 
     def warm(self, pinned: PinnedArena, graph: _HostResultGraph) -> None:
