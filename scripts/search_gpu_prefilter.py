@@ -57,7 +57,7 @@ def run_size(
     keeps: list[int] | None = None, scan: str = "int8",
 ) -> dict[str, Any]:  # fmt: skip
     gen = torch.Generator(device="cuda").manual_seed(n + dim)
-    idx = CudaFlatIndex(dim=dim, metric="ip", spec=f"cuda:flat,fp16,scan={scan}")
+    idx = CudaFlatIndex.from_spec(f"cuda:flat,fp16,scan={scan}", dim=dim, metric="ip")
     idx.reserve(n)
     if corpus is None:
         rows_ = torch.randn((n, dim), generator=gen, device="cuda").half()

@@ -59,7 +59,7 @@ def doorbell_sidecar():
 
 @pytest.fixture(scope="module")
 def cascade_sidecar():
-    """384-d rows, served by the 4-bit cascade (the default from 257 to 512 dims) with the
+    """384-d rows, served by the 4-bit cascade (the default from 257 to 1536 dims) with the
     GPU doorbell on."""
     yield from _loaded("gpu-doorbell-4bit", dim=384)
 

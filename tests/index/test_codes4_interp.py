@@ -56,8 +56,16 @@ def test_cascade_matches_float64_reference(metric, dim, n, k):
         assert 0 < candidates(idx, k) <= n
 
 
-def test_cascade_is_the_default_from_257_to_512_dims():
-    for dim, scan in ((256, "int8"), (257, "4bit"), (384, "4bit"), (512, "4bit"), (768, "int8")):
+def test_cascade_is_the_default_from_257_to_1536_dims():
+    cases = (
+        (256, "int8"),
+        (257, "4bit"),
+        (384, "4bit"),
+        (768, "4bit"),
+        (1536, "4bit"),
+        (1537, "int8"),
+    )
+    for dim, scan in cases:
         idx = CudaFlatIndex(dim=dim, metric="ip", spec="cuda:flat", device="cpu")
         assert idx.scan == scan, dim
 

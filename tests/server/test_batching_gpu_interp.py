@@ -40,7 +40,7 @@ def gpu_store(
 ) -> tuple[GpuSearch, MemoryStore, dict, np.random.Generator]:
     """A store on a cuda index searched through GpuSearch, the CPU standing in for the GPU
     (no context, no page-locking, no stream): two tenants' rows, and their reference.
-    ``batch4``: the index's largest batch through the batched 4-bit cascade (257-512 dims)."""
+    ``batch4``: the index's largest batch through the batched 4-bit cascade (257-1536 dims)."""
     monkeypatch.setattr(driver, "ensure_context", lambda device: None)
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **kw: self)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **kw: None)

@@ -11,7 +11,7 @@ shape (``CudaFlatIndex.graph``) and a wait for it, timed on the host:
   (``params.default_two_pass_batch``, 32; 0: never);
 - ``fused``: every batch through the fused scan and its per-program top-k lists
   (``kernels.scan_topk``);
-- ``cascade`` (a ``scan=4bit`` index: 257 to 512 dims): every batch of 2 or more through the
+- ``cascade`` (a ``scan=4bit`` index: 257 to 1536 dims): every batch of 2 or more through the
   batched 4-bit cascade (``kernels.codes4_batch``: one read of the 4-bit codes bounds every
   query, then each query's open rows are scored exactly), a single query through its own
   cascade (``kernels.codes4``). By default the index takes the batched cascade up to
@@ -19,7 +19,7 @@ shape (``CudaFlatIndex.graph``) and a wait for it, timed on the host:
   rows give ``listed_p50`` and ``listed_max``: the rows a query left open, over the checked
   calls;
 - ``singles``: each query of the batch alone, one after another, through the index's
-  one-query graph with its compressed first pass (the int8 prefilter, or at 257 to 512 dims
+  one-query graph with its compressed first pass (the int8 prefilter, or at 257 to 1536 dims
   the 4-bit cascade, as a lone search takes it): what answering a batch's members one at a
   time costs, against which the batched paths pay off;
 - ``torch``: ``torch.topk(q @ db.T)`` on the same fp16 rows, the batch in one product.

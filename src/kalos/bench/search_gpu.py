@@ -173,7 +173,7 @@ def _run_size(args: argparse.Namespace, torch: Any, corpus: corpora.Corpus, bw: 
 
     # Kernel alone: the same index class in this process, one graph replay per search.
     spec = f"cuda:flat,fp16,scan={args.scan}"
-    index = CudaFlatIndex(dim=dim, metric="ip", spec=spec)
+    index = CudaFlatIndex.from_spec(spec, dim=dim, metric="ip")
     index.reserve(n)
     index.add(db, ids_t)
     graph = index.graph(1, k)

@@ -57,9 +57,11 @@ _METRICS = {"ip": 0, "cosine": 1, "l2": 2}
 _DTYPES = ("fp16", "bf16", "fp32")
 _SCANS = ("auto", "4bit", "int8", "full")
 # scan=auto: the 4-bit cascade where it measured faster than the full scan (real-384 1M on the
-# H200: 161.1 µs against 242.9, graph replays, bench/results/search-gpu-H200.json), the int8
-# prefilter elsewhere (below 257 dims; above, int8 is the full scan)
-_CODES4_DIMS = (257, 512)
+# H200: 161.1 µs against 242.9, graph replays, bench/results/search-gpu-H200.json; clustered
+# 1M x 768 and x 1536 on an H100, end to end: 255.2 and 617.6 µs p99 against the full scan's
+# 600.7 and its 1,018.7 floor, bench/results/search-gpu-H100.json), the int8 prefilter
+# elsewhere (below 257 dims; above 1536, int8 is the full scan)
+_CODES4_DIMS = (257, 1536)
 _FP16_MAX = 65504.0
 _MAX_K = 1024
 _MIN_CAPACITY = 1024
@@ -83,7 +85,7 @@ def parse_spec(spec: str) -> tuple[str, str, str, int]:
     ``"cuda:1:flat,bf16,scan=full"`` -> ("cuda:1", "bf16", "full", ...). Options after the
     kind: the storage dtype; the scan of single-query searches: ``scan=4bit`` (the 4-bit
     cascade, exact, see kalos.index.kernels.codes4), ``scan=int8`` (int8 codes first, proven
-    or replayed), ``scan=full``, or ``scan=auto`` (the default: 4bit from 257 to 512 dims,
+    or replayed), ``scan=full``, or ``scan=auto`` (the default: 4bit from 257 to 1536 dims,
     else int8); and with the 4-bit cascade, ``batch4=N``: batches of up to N queries (a size
     bucket, N a power of two up to 64; 0: none) take its batched form
     (kalos.index.kernels.codes4_batch)."""
