@@ -32,6 +32,7 @@ def _serve(args: argparse.Namespace) -> int:
         index=args.index,
         runtime_dir=args.runtime_dir,
         spin_us=args.spin_us,
+        max_spin_us=args.max_spin_us,
         compute_threads=args.compute_threads,
         batch_delay_us=args.batch_delay_us,
         batch_max=args.batch_max,
@@ -189,6 +190,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=200.0,
         help="µs to keep polling after the last request before parking",
+    )
+    serve.add_argument(
+        "--max-spin-us",
+        type=float,
+        default=0.0,
+        help="while requests come at least every MAX/5 µs on average, keep polling 5x their "
+        "mean gap before parking (at least --spin-us); 0 (default): --spin-us only",
     )
     serve.add_argument(
         "--compute-threads", type=int, default=1, help="BLAS/OpenMP threads for CPU search"

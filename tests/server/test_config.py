@@ -26,6 +26,8 @@ from kalos.server import SidecarConfig
         {"compute_threads": 0},
         {"token_heap_bytes": -1024},
         {"token_heap_bytes": 1000},  # not a multiple of 1 KiB
+        {"spin_us": -1},
+        {"max_spin_us": 2e7},
     ],
 )
 def test_bad_config_is_refused(kwargs: dict) -> None:

@@ -83,3 +83,60 @@ def test_the_poller_publishes_how_many_callers_spin() -> None:
         for ch in channels:
             ch.mem.close()
             os.close(ch.fd)
+
+
+def test_a_steady_trickle_keeps_the_poller_spinning_through_its_gaps() -> None:
+    """With max_spin_us, the poller spins SPIN_GAPS times the mean gap between requests
+    while that fits within max_spin_us, else spin_us; an idle spell counts as max_spin_us
+    only, so that a trickle after a long pause is spun through again within a few requests;
+    0 turns it off."""
+    from kalos.server.channels import SPIN_GAPS
+
+    ctrl = SharedMemory(create("kalos-test-control", L.CONTROL_SIZE), L.CONTROL_SIZE)
+    poller = Poller(ctrl, None, threading.Lock(), spin_us=200, heartbeat_ms=100,
+                    max_spin_us=10_000)  # fmt: skip
+    assert poller.spin_ns == 200_000  # no trickle yet
+    now = 0
+    for _ in range(100):  # a request every 1 ms
+        poller._arrived(now + 1_000_000, now)
+        now += 1_000_000
+    assert abs(poller.gap_ns - 1_000_000) < 10_000
+    assert poller.spin_ns == SPIN_GAPS * poller.gap_ns  # 5 ms: within 10
+    poller._arrived(now + 60 * 10**9, now)  # a minute's pause weighs as 10 ms
+    assert poller.gap_ns < 2_200_000
+    for _ in range(3):  # so a few more requests of the trickle bring the spin back
+        poller._arrived(now + 1_000_000, now)
+        now += 1_000_000
+    assert 200_000 < poller.spin_ns <= 10_000_000
+    for _ in range(100):  # every 4 ms: 20 ms of spin would not fit, so spin_us
+        poller._arrived(now + 4_000_000, now)
+        now += 4_000_000
+    assert poller.spin_ns == 200_000
+    for _ in range(100):  # every 20 µs: never below spin_us
+        poller._arrived(now + 20_000, now)
+        now += 20_000
+    assert poller.spin_ns == 200_000
+
+    off = Poller(ctrl, None, threading.Lock(), spin_us=200, heartbeat_ms=100)
+    off._arrived(1_000_000, 0)
+    assert off.gap_ns == 0 and off.spin_ns == 200_000
+
+
+def test_a_sidecar_reports_its_poller_spin() -> None:
+    """kalos serve --max-spin-us: pings every ~1 ms raise the poller's spin (stats
+    poller_spin_us) above --spin-us; without the option it stays --spin-us."""
+    import time
+
+    from kalos.testing import isolated_sidecar
+
+    for extra, spun in ((("--max-spin-us", "100000"), True), ((), False)):
+        with isolated_sidecar(dim=4, extra_args=("--spin-us", "200", *extra)) as sidecar:
+            client = sidecar.connect()
+            try:
+                for _ in range(200):
+                    client.ping()
+                    time.sleep(0.001)
+                spin = client.stats()["poller_spin_us"]
+            finally:
+                client.close()
+        assert (spin > 1000) if spun else (spin == 200), (extra, spin)

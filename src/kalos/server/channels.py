@@ -2,7 +2,13 @@
 
 One poller thread serves every channel. While requests flow it spins over the channels'
 request sequence words (one acquire-load each); once no request came for ``spin_us`` it parks
-on the control segment's doorbell, so an idle sidecar costs nothing but a heartbeat.
+on the control segment's doorbell, so an idle sidecar costs nothing but a heartbeat. With a
+``max_spin_us`` (off by default), while requests come as a steady trickle, on average at least
+every ``max_spin_us / SPIN_GAPS``, it spins ``SPIN_GAPS`` times their mean gap instead: the
+next request then almost always finds it awake and pays no futex wake (tens to hundreds of µs
+on a VM). Slower trickles keep ``spin_us``: a long spin that still ends in a park costs the
+next request more on a machine whose cores are busy (the scheduler then wakes a thread that
+has just spun for ms late).
 
 With durability (a :class:`~kalos.server.durability.Durability` as ``journal``) the response
 to a logged write is held back: after each sweep the poller starts one group commit for every
@@ -57,6 +63,8 @@ _monotonic_ns = time.monotonic_ns
 _load = _native.load_acquire
 _store = _native.store_release
 _publish = _native.publish
+# A steady trickle of requests keeps the poller spinning this many times their mean gap
+SPIN_GAPS = 5
 # The poller's steps on a batch, timed apart (Poller.batch_step_ns)
 BATCH_STEPS = ("decode", "start", "collect", "write", "reply")
 # Bound once: module attribute lookups cost ~0.03 µs each on the request path.
@@ -164,6 +172,7 @@ class Poller:
         *,
         spin_us: float,
         heartbeat_ms: float,
+        max_spin_us: float = 0.0,
         journal: Journal | None = None,
         begin_batch=None,
         batch_delay_us: float = 0.0,
@@ -204,6 +213,11 @@ class Poller:
         # (lsn, channel, seq, status, body length, queue ns, compute ns, write ns)
         self._held: list[tuple[int, ServerChannel, int, int, int, int, int, int]] = []
         self._spin_ns = int(spin_us * 1000)
+        # the spin through a trickle's gaps (the module doc): at most this long, 0: never
+        self._max_spin_ns = int(max_spin_us * 1000)
+        # the mean gap between the sweeps that found a request (each gap counted up to
+        # max_spin_us, so that an idle spell does not outweigh the trickle after it)
+        self.gap_ns = self._max_spin_ns
         self._heartbeat_ns = int(heartbeat_ms * 1e6)
         self.channels: tuple[ServerChannel, ...] = ()
         self._channels_lock = threading.Lock()
@@ -267,12 +281,24 @@ class Poller:
         waker = self._waker
         return self._woken_before + (waker.deferred if waker is not None else 0)
 
+    @property
+    def spin_ns(self) -> int:
+        """How long the poller spins now after the last request before it parks: ``spin_us``,
+        or through a steady trickle's gaps (the module doc)."""
+        spin = SPIN_GAPS * self.gap_ns
+        if self._max_spin_ns and spin <= self._max_spin_ns:
+            return max(self._spin_ns, spin)
+        return self._spin_ns
+
+    def _arrived(self, now: int, last: int) -> None:
+        self.gap_ns += (min(now - last, self._max_spin_ns) - self.gap_ns) // 8
+
     def _run(self, batch: list[tuple[ServerChannel, int]] | None) -> None:
-        last_work = _monotonic_ns()
+        last_work = last_arrival = _monotonic_ns()
         next_beat = 0
         beats = 0
         while not self.stopping:
-            worked = False
+            worked = arrived = False
             spinning = 0
             for ch in self.channels:
                 seq = _load(ch.req_seq)
@@ -285,7 +311,7 @@ class Poller:
                         batch.append((ch, seq))  # served after the sweep, with the others
                     else:
                         self.serve(ch, seq)
-                    worked = True
+                    worked = arrived = True
             if spinning != self._spinning:  # every client process's callers read it
                 self._spinning = spinning
                 _store(self._spinning_word, spinning)
@@ -310,10 +336,13 @@ class Poller:
                 if door is not None:
                     self._locked(door.settle)
                 self._journal.snapshot()
+            if arrived:
+                self._arrived(now, last_arrival)
+                last_arrival = now
             if worked:
                 last_work = now
                 continue
-            if now - last_work < self._spin_ns:
+            if now - last_work < self.spin_ns:
                 continue
             if door is not None and door.armed is not None:  # idle: no kernel spins on
                 self._locked(door.settle)

@@ -26,6 +26,12 @@ class SidecarConfig:
     # Spin this long after the last request before parking: while requests flow the poller
     # answers in ~1 µs; a futex wake costs ~25 µs on a 2-vCPU VM (DESIGN.md).
     spin_us: float = 200.0
+    # ... or, while requests come as a steady trickle (on average at least every
+    # max_spin_us / 5), five times their mean gap: a request that finds the poller parked
+    # waits for a futex wake (kalos.server.channels). 0 (the default): spin_us only. On the
+    # 2-core VM it cut the p50 at 500-1,000 searches/s but raised the p99 in the band of
+    # rates where the long spin still ends in a park (docs/OPERATIONS.md, Resources).
+    max_spin_us: float = 0.0
     # BLAS/OpenMP threads for CPU search. One: dispatch is serial, a matrix-vector product is
     # memory-bound, and a pool of spinning BLAS threads fights the poller and the clients for
     # cores (measured on the 2-core machine: 100K x 128 search p50 12.4 ms with OpenBLAS's 2
@@ -115,6 +121,8 @@ class SidecarConfig:
             )
         if self.compute_threads < 1:
             raise ConfigError("compute_threads must be at least 1")
+        if not (0 <= self.spin_us <= 1e7 and 0 <= self.max_spin_us <= 1e7):
+            raise ConfigError("spin_us and max_spin_us must be 0..1e7 (10 s)")
         if self.batch_max < 1 or not 0 <= self.batch_delay_us <= 1e6:
             raise ConfigError("batch_max must be at least 1 and batch_delay_us 0..1e6")
         if self.max_channels < 1:

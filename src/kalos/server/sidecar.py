@@ -258,6 +258,7 @@ class Sidecar:
             handle,
             self.lock,
             spin_us=config.spin_us,
+            max_spin_us=config.max_spin_us,
             heartbeat_ms=config.heartbeat_ms,
             journal=journal,
             begin_batch=self.dispatcher.begin_batch if config.batch_max > 1 else None,
@@ -292,6 +293,8 @@ class Sidecar:
         return {
             "epoch": self.epoch,
             "channels": len(self.poller.channels),
+            # how long the poller spins now after the last request before it parks
+            "poller_spin_us": self.poller.spin_ns / 1000,
             "gpu_published": self.poller.device_published,  # see server.gpu_search
             "batches": self.poller.batches,  # of two or more searches (server.channels)
             "batched": self.poller.batched,
