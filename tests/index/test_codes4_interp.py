@@ -56,6 +56,21 @@ def test_cascade_matches_float64_reference(metric, dim, n, k):
         assert 0 < candidates(idx, k) <= n
 
 
+@pytest.mark.parametrize(("dtype", "metric", "dim"), [("bf16", "cosine", 768), ("fp32", "l2", 320)])
+def test_cascade_is_exact_over_bf16_and_fp32_rows(dtype, metric, dim):
+    """The codes are made from the stored rows in any storage dtype, and the exact pass scores
+    those rows: the answer is the exact scan's over them (the reference rounds as they do)."""
+    rng = np.random.default_rng(len(dtype) + dim)
+    idx = cascade_index(metric, dim, dtype)
+    x = anisotropic(rng, 300, dim)
+    ids = np.arange(1, 301, dtype=np.int64) * 7
+    idx.add(x, ids)
+    for q in anisotropic(rng, 2, dim):
+        check_search(idx, x, ids, None, q, 10)
+        check_graph_search(idx, x, ids, None, q, 10)
+        assert 0 < candidates(idx, 10) <= 300
+
+
 def test_cascade_is_the_default_from_257_to_1536_dims():
     cases = (
         (256, "int8"),
