@@ -385,7 +385,7 @@ def _run_size(args: argparse.Namespace, torch: Any, corpus: corpora.Corpus, bw: 
         **({"cascade": cascade_stats} if cascade_stats else {}),
     }
     return {"params": {"corpus": corpus.name, "n": n, "dim": dim, "dtype": "float16", "k": k,
-                       "batch": 1, "client_spin_us": args.spin_us,
+                       "batch": 1, "index": spec, "client_spin_us": args.spin_us,
                        "corpus_info": corpus.info},
             "rows": rows, "summary": summary, "checks": {"wrong_results": wrong},
             "stage_median_us": stages, "affinity": affinity}  # fmt: skip
