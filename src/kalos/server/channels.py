@@ -6,9 +6,9 @@ on the control segment's doorbell, so an idle sidecar costs nothing but a heartb
 ``max_spin_us`` (off by default), while requests come as a steady trickle, on average at least
 every ``max_spin_us / SPIN_GAPS``, it spins ``SPIN_GAPS`` times their mean gap instead: the
 next request then almost always finds it awake and pays no futex wake (tens to hundreds of µs
-on a VM). Slower trickles keep ``spin_us``: a long spin that still ends in a park costs the
-next request more on a machine whose cores are busy (the scheduler then wakes a thread that
-has just spun for ms late).
+on a VM). Slower trickles keep ``spin_us``: a long spin that still ends in a park cost the next
+requests more on the 2-core VM, whose cores the callers kept busy (likely: the scheduler
+wakes a thread that has just spun for ms late).
 
 With durability (a :class:`~kalos.server.durability.Durability` as ``journal``) the response
 to a logged write is held back: after each sweep the poller starts one group commit for every
