@@ -399,7 +399,7 @@ class CudaFlatIndex:
         sq = stored.float().square().sum(dim=1)
         torch.maximum(self._sq_max, sq.max().reshape(1), out=self._sq_max)
         ids_t = torch.from_numpy(id_arr).to(self.device)
-        sc_t = torch.from_numpy(np.ascontiguousarray(sc.T)).to(self.device)
+        sc_t = torch.from_numpy(np.array(sc.T, order="C")).to(self.device)  # owned, writable
         codes = meta = None
         if self.scan == "int8":
             codes, meta = self._k.prefilter_meta(stored)
