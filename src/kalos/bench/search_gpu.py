@@ -1,8 +1,8 @@
 """search-gpu: exact top-10 on a GPU sidecar, end to end, beside the kernel and torch in-process.
 
 For each corpus set (``--sets``, :mod:`kalos.bench.corpora`: ``real-384`` 1M, ``real-128`` 1M,
-``clustered`` 1M x 768 and 10M x 128, ``uniform`` 1M x 128; fp16, batch 1, the corpus's held-out
-queries) in one run:
+``clustered`` 1M x 768, 1M x 1536 and 10M x 128, ``uniform`` 1M x 128; fp16, batch 1, the
+corpus's held-out queries) in one run:
 
 - ``kalos-shm``: a client's ``search`` through a ``--device cuda`` sidecar, host results
   (where the int8 prefilter runs, the GPU picks each search up itself: ``server.doorbell``);
@@ -49,7 +49,7 @@ from kalos.testing import isolated_sidecar
 
 SCENARIO = "search-gpu"
 SETS = ("real-384:1000000", "real-128:1000000", "clustered:1000000x768",
-        "clustered:10000000x128", "uniform:1000000x128")  # fmt: skip
+        "clustered:1000000x1536", "clustered:10000000x128", "uniform:1000000x128")  # fmt: skip
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
