@@ -193,8 +193,9 @@ def test_benchmark_sets_parse():
     with pytest.raises(ConfigError, match="unknown corpus"):
         corpora.parse_set("random:1000x8")
     args = build_parser().parse_args(["bench", "search-gpu"])
-    assert [name for name, _, _ in args.sets] == ["real-384", "real-128", "clustered",
-                                                  "clustered", "uniform"]  # fmt: skip
+    assert [(name, dim) for name, _, dim in args.sets] == [
+        ("real-384", None), ("real-128", None), ("clustered", 768), ("clustered", 1536),
+        ("clustered", 128), ("uniform", 128)]  # fmt: skip
     assert args.scan == "auto"
     args = build_parser().parse_args(["bench", "search-gpu", "--sets", "uniform:1000x64"])
     assert args.sets == [("uniform", 1000, 64)]
