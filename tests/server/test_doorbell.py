@@ -607,7 +607,7 @@ def streamed(served, monkeypatch):
         served.door.prepare(ch.pinned, [g for g in ch.pinned.graphs.values() if g.publish])
     # 2 s: it settles and parks between bursts, but not while the interpreted kernels behind
     # an answer run (they hold the GIL for hundreds of milliseconds on a busy machine)
-    served.poller._spin_ns = 2_000_000_000
+    served.poller.spin_ns = 2_000_000_000
     monkeypatch.setattr(doorbell, "VERDICT_WAIT_NS", 10**10)  # an interpreted kernel is slow
     thread = threading.Thread(target=served.poller.run, daemon=True)
     thread.start()

@@ -218,6 +218,8 @@ class Poller:
         # the mean gap between the sweeps that found a request (each gap counted up to
         # max_spin_us, so that an idle spell does not outweigh the trickle after it)
         self.gap_ns = self._max_spin_ns
+        # how long it spins now after the last request before it parks (set per arrival)
+        self.spin_ns = self._spin_ns
         self._heartbeat_ns = int(heartbeat_ms * 1e6)
         self.channels: tuple[ServerChannel, ...] = ()
         self._channels_lock = threading.Lock()
@@ -281,17 +283,13 @@ class Poller:
         waker = self._waker
         return self._woken_before + (waker.deferred if waker is not None else 0)
 
-    @property
-    def spin_ns(self) -> int:
-        """How long the poller spins now after the last request before it parks: ``spin_us``,
-        or through a steady trickle's gaps (the module doc)."""
-        spin = SPIN_GAPS * self.gap_ns
-        if self._max_spin_ns and spin <= self._max_spin_ns:
-            return max(self._spin_ns, spin)
-        return self._spin_ns
-
     def _arrived(self, now: int, last: int) -> None:
+        """A sweep found a request ``now``, the one before ``last``: the mean gap, and the
+        spin that follows from it (``spin_us``, or through a steady trickle's gaps)."""
         self.gap_ns += (min(now - last, self._max_spin_ns) - self.gap_ns) // 8
+        spin = SPIN_GAPS * self.gap_ns
+        fits = spin <= self._max_spin_ns
+        self.spin_ns = max(self._spin_ns, spin) if fits else self._spin_ns
 
     def _run(self, batch: list[tuple[ServerChannel, int]] | None) -> None:
         last_work = last_arrival = _monotonic_ns()
@@ -336,7 +334,7 @@ class Poller:
                 if door is not None:
                     self._locked(door.settle)
                 self._journal.snapshot()
-            if arrived:
+            if arrived and self._max_spin_ns:
                 self._arrived(now, last_arrival)
                 last_arrival = now
             if worked:
