@@ -225,6 +225,38 @@ def test_search_gpu_stage_split_names_the_tail() -> None:
                            "client_us": 49.0}  # fmt: skip
 
 
+def test_cascade_stages_split_each_search_by_kernel() -> None:
+    """search-gpu's cascade split: each search's kernels in launch order (the query's copy
+    between them left out), the idle time between them, and the exact pass fitted to the rows
+    each search left open."""
+    from kalos.bench.search_gpu import cascade_stages
+
+    kernels = []
+    counts = []
+    t = 0.0
+    for i in range(100):
+        rows = 1000 * (i % 10 + 1)
+        exact = 5.0 + 2.0 * rows / 1000  # 5 µs + 2 µs per 1,000 rows
+        kernels.append(("copy_kernel", t, t + 1))  # the query's copy: not the cascade's
+        t += 2
+        for name, dur in (("_prep_kernel", 3.0), ("_scan_topk_kernel", 60.0),
+                          ("_emit_kernel", 4.0), ("_scan_topk_kernel", exact)):  # fmt: skip
+            kernels.append((name, t, t + dur))
+            t += dur + 1.5  # each stage starts 1.5 µs after the one before ends
+        counts.append(rows)
+        t += 50
+    kernels.reverse()  # the profiler's order is not the launch order
+    got = cascade_stages(kernels, counts)
+    assert got["searches"] == 100
+    assert got["prep"]["p50_us"] == 3.0 and got["bounds"]["p99_us"] == 60.0
+    assert got["emit"]["p50_us"] == 4.0
+    assert got["exact"]["p99_us"] == pytest.approx(25.0)
+    assert got["gaps"]["p50_us"] == pytest.approx(4.5)  # three gaps between four kernels
+    assert got["exact_fixed_us"] == pytest.approx(5.0)
+    assert got["exact_us_per_1k_rows"] == pytest.approx(2.0)
+    assert cascade_stages([("copy_kernel", 0.0, 1.0)], []) == {"searches": 0}
+
+
 def test_split_cpus_gives_the_servers_the_last_cpu(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 0, 5})
     assert split_cpus("split") == ([0, 3], [5])

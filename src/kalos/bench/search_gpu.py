@@ -16,6 +16,10 @@ corpus's held-out queries) in one run:
   ``kalos-graph-prefilter``: that graph as the sidecar runs it (its proof checked, an
   unproven search settled from every row's bound), host clocks, with how many searches were
   ``proven`` and the rows the others scored exactly (``settled_rows_p50``, ``_max``);
+  ``kalos-kernel-cascade``: the 4-bit cascade's graph, where the sidecar takes it, with the
+  rows its bounds left open (``candidates_p50``, ``_p99``, ``_max``); the summary's
+  ``cascade.stages`` splits its GPU time per kernel (:func:`cascade_stages`, from a profiler
+  trace of 1,000 searches);
 - ``kalos-inprocess``: the sidecar's search path without the protocol (``GpuSearch.search``
   in this process: staging, graph launch and sync, the proof's check), host clocks;
 - ``torch-inprocess`` / ``torch-inprocess-graph``: ``torch.topk(q @ db.T)`` in this process;
@@ -112,6 +116,48 @@ def _timed_host(
     ):
         stages[name] = after.get(key, 0) - before.get(key, 0)
     return {"samples": samples, "wall": wall}, stages
+
+
+# The 4-bit cascade's kernels (kernels.codes4), in launch order, as the stage each is: the
+# second scan is the exact pass
+CASCADE_STAGES = {"_prep_kernel": "prep", "_scan_topk_kernel": "bounds", "_emit_kernel": "emit",
+                  "_scan_topk_kernel#2": "exact"}  # fmt: skip
+
+
+def cascade_stages(kernels: list[tuple[str, float, float]], counts: list[int]) -> dict[str, Any]:
+    """Where a cascade search's GPU time goes, from the profiler's kernel records ``(name,
+    start_us, end_us)`` of consecutive searches (each begins with the prep kernel; records of
+    other kernels, such as the query's copy, are left out): per stage (``CASCADE_STAGES``) the
+    p50 and p99 of its time, the GPU's idle time between them (``gaps``) and the whole
+    (``span``), in µs. With ``counts``, each search's open rows in the same order, the exact
+    pass's time is fitted to them: ``exact_fixed_us`` + ``exact_us_per_1k_rows`` per 1,000
+    rows."""
+    searches: list[dict[str, float]] = []  # kernel (the second of a name: name#2) -> µs
+    bounds: list[tuple[float, float]] = []
+    for name, start, end in sorted(kernels, key=lambda r: r[1]):
+        if name == "_prep_kernel":
+            searches.append({})
+            bounds.append((start, end))
+        elif not searches or name not in CASCADE_STAGES:
+            continue
+        times = searches[-1]
+        times[name if name not in times else f"{name}#2"] = end - start
+        bounds[-1] = (bounds[-1][0], end)
+    if not searches:
+        return {"searches": 0}
+    out: dict[str, Any] = {"searches": len(searches)}
+    spans = np.array([b - a for a, b in bounds])
+    per = {s: np.array([t.get(k, 0.0) for t in searches]) for k, s in CASCADE_STAGES.items()}
+    per["gaps"] = spans - sum(per.values())
+    per["span"] = spans
+    for s, v in per.items():
+        out[s] = {"p50_us": round(float(np.percentile(v, 50)), 2),
+                  "p99_us": round(float(np.percentile(v, 99)), 2)}  # fmt: skip
+    if len(counts) == len(searches) and len(set(counts)) > 1:
+        slope, fixed = np.polyfit(np.asarray(counts, float) / 1e3, per["exact"], 1)
+        out["exact_fixed_us"] = round(float(fixed), 2)
+        out["exact_us_per_1k_rows"] = round(float(slope), 3)
+    return out
 
 
 def _copy_bandwidth(torch: Any) -> float:
@@ -240,12 +286,16 @@ def _run_size(args: argparse.Namespace, torch: Any, corpus: corpora.Corpus, bw: 
         row = summarize("kalos-kernel-cascade", _event_times(torch, cascade, args.queries))
         codes_bytes = n * (codes4.padded_dim(dim) // 2 + 8)
         row["floor_us"] = round(codes_bytes / bw * 1e6, 3)
+        # the same replays under the profiler: each kernel's time per search, beside the rows
+        # the search left open
         counts = []
-        for i in range(min(1000, len(q_gpu))):
-            casc.query.copy_(q_gpu[i][None])
-            cuda_graph.replay()
-            torch.cuda.synchronize()
-            counts.append(int(casc._status_np[1]))
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            for i in range(min(1000, len(q_gpu))):
+                casc.query.copy_(q_gpu[i][None])
+                cuda_graph.replay()
+                torch.cuda.synchronize()
+                counts.append(int(casc._status_np[1]))
         c = np.array(counts)
         cascade_stats = {
             "searches": len(c),
@@ -255,6 +305,11 @@ def _run_size(args: argparse.Namespace, torch: Any, corpus: corpora.Corpus, bw: 
             "candidates_max": int(c.max()),
         }
         row.update(cascade_stats)
+        cuda = torch.autograd.DeviceType.CUDA
+        kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == cuda]  # fmt: skip
+        cascade_stats["stages"] = cascade_stages(kernels, counts)
+        print("cascade stages:", cascade_stats["stages"])
         rows.append(row)
         del casc
     # The sidecar's search path without the protocol: GpuSearch.search in this process (the
