@@ -252,3 +252,46 @@ def test_graphs_share_the_row_scratch_and_stay_exact_interleaved():
     idx.reserve(4 * n)
     check_graph_search(idx, x, ids, scopes, qs[0], 10, scope=(1, 2, 0))
     assert idx._workspace(1, 10, prefilter=True)["upper"].shape == (idx._cap,)
+
+
+@pytest.mark.parametrize("listed", [0, 1, 30, 130, 600])
+def test_the_exact_pass_over_few_and_many_listed_rows(listed):
+    # the cascade's exact pass scores the listed rows alone: fewer tiles than programs (only
+    # those with a tile list and are merged), as many or more (every program), none at all;
+    # twice in a row on one workspace, each time resetting the count and the ticket
+    rng = np.random.default_rng(listed)
+    dim, n, k = 96, 900, 10
+    idx = cascade_index("ip", dim)
+    x = anisotropic(rng, n, dim)
+    idx.add(torch.from_numpy(x), torch.arange(n, dtype=torch.int64) * 7 + 3)
+    kern = idx._k
+    ex = idx._workspace(1, k, private=True)
+    assert ex["programs"] > 1
+    rows = torch.zeros(idx._cap, dtype=torch.int32)
+    count = torch.zeros(1, dtype=torch.int32)
+    status = torch.zeros(2, dtype=torch.int32)
+    stored = stored_vectors("ip", "fp16", x)
+    for _ in range(2):
+        q = rng.standard_normal((1, dim)).astype(np.float32)
+        pick = np.sort(rng.choice(n, listed, replace=False)).astype(np.int32)
+        rows[:listed] = torch.from_numpy(pick)
+        count[0] = listed
+        scores = torch.full((1, k), 7.0)
+        ids = torch.full((1, k), -2, dtype=torch.int64)
+        kern.scan_topk(
+            idx._vecs, idx._sq, idx._scopes, idx._no_filter, torch.from_numpy(q), count,
+            ex["state"], ex["cand"], k=k, metric=idx._metric_code, scoped=False,
+            programs=ex["programs"], cfg=ex["cfg"], final=(ex["ticket"], idx._ids, scores, ids),
+            cands=(rows, status),
+        )  # fmt: skip
+        # the exact pass scores with the query in the rows' precision
+        ref = stored[pick] @ q[0].astype(np.float16).astype(np.float64)
+        top = np.argsort(-ref, kind="stable")[:k]
+        want = pick[top].astype(np.int64) * 7 + 3
+        got = ids.numpy()[0]
+        m = min(k, listed)
+        np.testing.assert_array_equal(np.sort(got[:m]), np.sort(want[:m]))
+        np.testing.assert_allclose(scores.numpy()[0][:m], ref[top][:m], rtol=1e-5, atol=1e-5)
+        assert (got[m:] == -1).all() and np.isneginf(scores.numpy()[0][m:]).all()
+        assert int(status[0]) == 1 and int(status[1]) == listed
+        assert int(count[0]) == 0 and int(ex["ticket"][0]) == 0

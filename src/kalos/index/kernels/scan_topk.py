@@ -552,6 +552,14 @@ def _scan_topk_kernel(
     else:
         go = n * 0 + 1
     n_tiles = tl.cdiv(n, BLOCK_N)
+    # The programs whose lists the last one merges: every one; in the fused pass over a
+    # candidate list (the 4-bit cascade's exact pass, a settle), only those with a tile of it
+    # (at least the first): a median cascade search lists a few thousand rows, a tile each for
+    # far fewer programs than the grid's, and the rest neither list nor take a ticket
+    used = P
+    if CANDS:  # noqa: SIM102 - constexpr branches
+        if FUSED:
+            used = tl.maximum(tl.minimum(P, n_tiles), 1)
 
     q = _load_queries(q_ptr, stride_q, nq, D, BLOCK_D, BLOCK_Q, METRIC)  # [BLOCK_Q, BLOCK_D]
     qT = tl.trans(q.to(db_ptr.dtype.element_ty))  # [BLOCK_D, BLOCK_Q] (dot operand)
@@ -676,66 +684,70 @@ def _scan_topk_kernel(
 
     if CODES != 4:  # (the bounds pass keeps no lists)
         out = cand_ptr + qs[:, None] * (P * KP) + pid * KP + kk[None, :]
-        tl.store(out, run, mask=qs_ok[:, None])
+        tl.store(out, run, mask=(qs_ok & (qs * 0 + pid < used))[:, None])
     if TRACE != 0:
         tl.store(trace_ptr + pid * 8 + 1, _clock(pid, TRACE))
         tl.store(trace_ptr + pid * 8 + 2, merged)
         tl.store(trace_ptr + pid * 8 + 3, walked)
-    if FUSED:
-        # The last program to finish selects the final top-k, saving the merge launch. The
-        # barrier orders every thread's candidate stores (and bound raises) before this
-        # program's ticket; the ticket is acq_rel at GPU scope: the last taker sees what every
-        # program did before its own ticket, and reads it past its L1 (_final_topk's FRESH).
-        tl.debug_barrier()
-        ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
-        if ticket == P - 1:
-            if go != 0:
-                if CODES != 0:
-                    key, bound, total, lists_last = _select_top(
-                        pid * 0, cand_ptr, thr_ptr, slot_ptr, surv_ptr, P * KP, kg, GW, KPC, SURV,
-                        CHUNK, True, True, KP, trace_ptr + P * 8, TRACE, RSTRIDE, REPL,
-                    )  # fmt: skip
-                    if TRACE != 0:
-                        tl.store(trace_ptr + P * 8, _clock(pid, TRACE))
-                        tl.store(trace_ptr + P * 8 + 4, total)
-                    if KPC > KP:  # noqa: SIM108 - a constexpr branch
-                        # lists shorter than the rows kept: a row left out may also have been
-                        # pushed off its program's list (below that list's last key) or skipped
-                        # (below the bound): the proof must clear those too
-                        floor = tl.maximum(bound, lists_last)
-                    else:
-                        floor = bound * 0 + _KEY_NONE
-                    top, exact, kth = _rerank(
-                        db_ptr, sq_ptr, status_ptr, key, floor, qv, kf, D, BLOCK_D, KPF, METRIC
-                    )
-                    if SETTLE:  # at most the exact kf-th score: settle's bound (codes4.emit)
-                        tl.store(floor_ptr, kth)
-                    if TRACE != 0:
-                        tl.store(trace_ptr + P * 8 + 1, _clock(pid, TRACE))
-                    _write_top(
-                        pid * 0, top, ids_ptr, q_ptr, scores_ptr, out_ids_ptr, kf, stride_q,
-                        stride_os, stride_oi, D, BLOCK_D, KPF, METRIC,
-                    )  # fmt: skip
-                    if TRACE != 0:
-                        tl.store(trace_ptr + P * 8 + 2, _clock(pid, TRACE))
-                    if PUBLISH != 0:
-                        _publish_seq(seq_ptr, pub_ptr, exact.to(tl.int32), PUBLISH)
-                else:
-                    _final_topk(
-                        pid * 0, cand_ptr, thr_ptr, slot_ptr, surv_ptr, ids_ptr, q_ptr, scores_ptr,
-                        out_ids_ptr, P * KP, k, stride_q, stride_os, stride_oi, D, BLOCK_D, KP,
-                        SURV, CHUNK, METRIC, True, True, RSTRIDE, REPL,
-                    )  # fmt: skip
-                    if CANDS:  # every candidate scored exactly: the result is exact
-                        tl.store(status_ptr, 1)
-                        tl.store(status_ptr + 1, n)  # the candidates, for the books
+    if FUSED:  # noqa: SIM102 - a constexpr branch around a runtime one
+        if pid < used:
+            # The last program to finish selects the final top-k, saving the merge launch. The
+            # barrier orders every thread's candidate stores (and bound raises) before this
+            # program's ticket; the ticket is acq_rel at GPU scope: the last taker sees what every
+            # program did before its own ticket, and reads it past its L1 (_final_topk's FRESH).
+            # (A program past ``used`` may read the count after the last one reset it: 0, which
+            # leaves it past ``used`` too.)
+            tl.debug_barrier()
+            ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
+            if ticket == used - 1:
+                if go != 0:
+                    if CODES != 0:
+                        key, bound, total, lists_last = _select_top(
+                            pid * 0, cand_ptr, thr_ptr, slot_ptr, surv_ptr, used * KP, kg, GW,
+                            KPC, SURV, CHUNK, True, True, KP, trace_ptr + P * 8, TRACE, RSTRIDE,
+                            REPL,
+                        )  # fmt: skip
+                        if TRACE != 0:
+                            tl.store(trace_ptr + P * 8, _clock(pid, TRACE))
+                            tl.store(trace_ptr + P * 8 + 4, total)
+                        if KPC > KP:  # noqa: SIM108 - a constexpr branch
+                            # lists shorter than the rows kept: a row left out may also have been
+                            # pushed off its program's list (below that list's last key) or skipped
+                            # (below the bound): the proof must clear those too
+                            floor = tl.maximum(bound, lists_last)
+                        else:
+                            floor = bound * 0 + _KEY_NONE
+                        top, exact, kth = _rerank(
+                            db_ptr, sq_ptr, status_ptr, key, floor, qv, kf, D, BLOCK_D, KPF, METRIC
+                        )
+                        if SETTLE:  # at most the exact kf-th score: settle's bound (codes4.emit)
+                            tl.store(floor_ptr, kth)
+                        if TRACE != 0:
+                            tl.store(trace_ptr + P * 8 + 1, _clock(pid, TRACE))
+                        _write_top(
+                            pid * 0, top, ids_ptr, q_ptr, scores_ptr, out_ids_ptr, kf, stride_q,
+                            stride_os, stride_oi, D, BLOCK_D, KPF, METRIC,
+                        )  # fmt: skip
+                        if TRACE != 0:
+                            tl.store(trace_ptr + P * 8 + 2, _clock(pid, TRACE))
                         if PUBLISH != 0:
-                            _publish_seq(seq_ptr, pub_ptr, go, PUBLISH)
-            if CANDS:  # every program read the count at its start: reset it for the next search
-                tl.store(n_ptr, 0)
-            tl.store(ticket_ptr, 0)
-            if TRACE != 0:
-                tl.store(trace_ptr + P * 8 + 3, pid)  # the last program
+                            _publish_seq(seq_ptr, pub_ptr, exact.to(tl.int32), PUBLISH)
+                    else:
+                        _final_topk(
+                            pid * 0, cand_ptr, thr_ptr, slot_ptr, surv_ptr, ids_ptr, q_ptr,
+                            scores_ptr, out_ids_ptr, used * KP, k, stride_q, stride_os, stride_oi,
+                            D, BLOCK_D, KP, SURV, CHUNK, METRIC, True, True, RSTRIDE, REPL,
+                        )  # fmt: skip
+                        if CANDS:  # every candidate scored exactly: the result is exact
+                            tl.store(status_ptr, 1)
+                            tl.store(status_ptr + 1, n)  # the candidates, for the books
+                            if PUBLISH != 0:
+                                _publish_seq(seq_ptr, pub_ptr, go, PUBLISH)
+                if CANDS:  # every program read the count at its start: reset it for the next search
+                    tl.store(n_ptr, 0)
+                tl.store(ticket_ptr, 0)
+                if TRACE != 0:
+                    tl.store(trace_ptr + P * 8 + 3, pid)  # the last program
     if TRACE != 0:
         tl.store(trace_ptr + pid * 8 + 4, _clock(pid, TRACE))
 
