@@ -23,9 +23,15 @@ of copies of the scan's bounds (``ScanConfig.bound_replicas``; the tuned shapes 
 with it the index's own choices of shape, overridden: below ~270K rows that also lifts the cap
 on programs).
 
+``--cascade CORPUS`` traces the 4-bit cascade's exact pass instead (the fused scan over the
+rows its bounds left open, ``kernels.codes4``), on a corpus of :mod:`kalos.bench.corpora`
+(``clustered``, ``real-384``, ...) at each size: the same phases (its ``tail``: the last
+program's merge, write and publish), how many rows each search listed and how many programs
+had a tile of them, beside the CUDA-event time of the whole cascade (eager).
+
 Usage (CUDA machine): ``python3 scripts/search_gpu_phases.py --out DIR [--sizes 1000000x128]
-[--full] [--replicas 1 16] [--dump PREFIX] [--suffix full]``; writes
-``search-gpu-phases-H200-<date>[-SUFFIX].json`` (``kalos.bench.common.write_result``).
+[--full] [--replicas 1 16] [--cascade clustered] [--dump PREFIX] [--suffix full]``; writes
+``search-gpu-phases-<GPU>[-SUFFIX].json`` (``kalos.bench.common.write_result``).
 """
 
 from __future__ import annotations
@@ -86,7 +92,8 @@ def _phases(traces: list[np.ndarray], p: int) -> dict[str, Any]:
     # most), and which programs merged most: the same ones run after run, and with
     # them their multiprocessors (both programs of a stale one)
     scan = (prog[:, 1] - prog[:, 0]).astype(np.float64)
-    out["scan_merged_corr"] = round(float(np.corrcoef(scan, merged)[0, 1]), 3)
+    corr = float(np.corrcoef(scan, merged)[0, 1]) if merged.std() * scan.std() > 0 else np.nan
+    out["scan_merged_corr"] = round(corr, 3) if np.isfinite(corr) else None
     heavy = np.concatenate([np.nonzero(t[:p, 2] >= np.percentile(t[:p, 2], 95))[0] for t in traces])
     top = np.bincount(heavy, minlength=p).argsort()[::-1][:12]
     out["heavy_pids_top"] = top.tolist()
@@ -142,6 +149,59 @@ def _variant(
     return row, np.sort(np.stack(found), axis=1)
 
 
+def run_cascade(corpus_name: str, n: int, dim: int, k: int, runs: int, dump: str | None
+                ) -> list[dict[str, Any]]:  # fmt: skip
+    """The 4-bit cascade's exact pass, traced over ``runs`` held-out queries of the corpus."""
+    from kalos.bench import corpora
+
+    # 2,000 held-out queries, as search-gpu loads them (a real corpus's cache is built for
+    # its rows and queries together), of which the first ``runs``
+    corpus = corpora.load(corpus_name, n, dim, queries=max(runs, 2000), progress=False)
+    n, dim = corpus.n, corpus.dim
+    idx = CudaFlatIndex.from_spec("cuda:flat,fp16,scan=4bit", dim=dim, metric="ip")
+    idx.reserve(n)
+    db = torch.empty((n, dim), dtype=torch.float16, device="cuda")
+    step = 1 << 20
+    for lo in range(0, n, step):
+        db[lo : lo + step] = torch.from_numpy(corpus.db[lo : lo + step]).cuda()
+    idx.add(db, torch.arange(n, device="cuda"))
+    del db
+    qs = torch.from_numpy(corpus.queries[:runs]).cuda()
+    idx.prefilter_min_rows = 0
+    ws = idx._workspace(1, k, private=True, prefilter=True)
+    ex = ws["exact"]
+    p = ex["programs"]
+    scores = torch.empty((1, k), dtype=torch.float32, device="cuda")
+    ids = torch.empty((1, k), dtype=torch.int64, device="cuda")
+    q = torch.empty((1, dim), dtype=torch.float32, device="cuda")
+    q.copy_(qs[:1])
+    launch = functools.partial(idx._launch, q, k, idx._no_filter, False, scores, ids, ws)
+    _event_times(torch, launch, 20)
+    eager = _event_times(torch, launch, 200) / 1e3
+    idx.trace = torch.zeros((p + 1, 8), dtype=torch.int64, device="cuda")
+    traces, listed = [], []
+    for i in range(len(qs)):
+        q.copy_(qs[i : i + 1])
+        launch()
+        torch.cuda.synchronize()
+        traces.append(idx.trace.cpu().numpy().copy())
+        listed.append(int(ws["status"][1]))
+    idx.trace = None
+    if dump:
+        np.save(f"{dump}-trace-{corpus_name}-{n}x{dim}-cascade-exact.npy", np.stack(traces))
+    with_tiles = [int((t[:p, 3] > 0).sum()) for t in traces]
+    row = {
+        "system": "kalos-kernel-cascade-exact", "corpus": corpus_name, "n": n, "dim": dim,
+        "k": k, "scan": "4bit cascade, its exact pass", "config": repr(ex["cfg"]),
+        "programs": p, "block_n": max(ex["cfg"].block_n, ex["cand"].shape[2]), "runs": len(qs),
+        "listed_p50": int(np.median(listed)), "listed_max": int(max(listed)),
+        "programs_with_tiles_p50": int(np.median(with_tiles)),
+        "cascade_eager_event_p50_us": _median(eager), **_phases(traces, p),
+    }  # fmt: skip
+    print(row, flush=True)
+    return [row]
+
+
 def run_size(
     n: int, dim: int, k: int, runs: int, full: bool, dump: str | None, replicas: list[int] | None
 ) -> list[dict[str, Any]]:
@@ -181,6 +241,8 @@ def main() -> int:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--suffix", default=None)
     ap.add_argument("--dump", default=None, help="a path prefix for every run's raw trace")
+    ap.add_argument("--cascade", default=None, metavar="CORPUS",
+                    help="trace the 4-bit cascade's exact pass on this corpus instead")  # fmt: skip
     ap.add_argument(
         "--replicas",
         nargs="+",
@@ -192,9 +254,14 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     for size in args.sizes:
         n, dim = (int(v) for v in size.split("x"))
-        rows += run_size(n, dim, args.k, args.runs, args.full, args.dump, args.replicas)
+        if args.cascade:
+            rows += run_cascade(args.cascade, n, dim, args.k, args.runs, args.dump)
+        else:
+            rows += run_size(n, dim, args.k, args.runs, args.full, args.dump, args.replicas)
         torch.cuda.empty_cache()
-        write_result("search-gpu-phases", "H200", vars(args), rows, args.out, args.suffix)
+        gpu = torch.cuda.get_device_name()
+        machine = "H200" if "H200" in gpu else "H100" if "H100" in gpu else "gpu"
+        write_result("search-gpu-phases", machine, vars(args), rows, args.out, args.suffix)
     return 0
 
 

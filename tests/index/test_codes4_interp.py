@@ -16,7 +16,14 @@ from triton_interp import torch, triton  # noqa: F401  (first: sets TRITON_INTER
 import numpy as np
 import pytest
 
-from cuda_reference import anisotropic, check_dp4a, check_graph_search, check_search, stored_vectors
+from cuda_reference import (
+    anisotropic,
+    check_dp4a,
+    check_graph_search,
+    check_result,
+    check_search,
+    stored_vectors,
+)
 from kalos.index import cuda_flat
 from kalos.index.cuda_flat import CudaFlatIndex
 from kalos.index.kernels import codes4
@@ -295,3 +302,32 @@ def test_the_exact_pass_over_few_and_many_listed_rows(listed):
         assert (got[m:] == -1).all() and np.isneginf(scores.numpy()[0][m:]).all()
         assert int(status[0]) == 1 and int(status[1]) == listed
         assert int(count[0]) == 0 and int(ex["ticket"][0]) == 0
+
+
+def test_the_trace_follows_the_exact_pass():
+    # CudaFlatIndex.trace on a cascade: its exact pass's programs (the phases probe's rows):
+    # their tiles walked are the listed rows' tiles, only programs with one take part, and
+    # the last program's row names one of those; the answer is unchanged
+    rng = np.random.default_rng(12)
+    dim, n, k = 96, 900, 10
+    idx = cascade_index("ip", dim)
+    x = anisotropic(rng, n, dim)
+    ids = np.arange(n, dtype=np.int64) * 7 + 3
+    idx.add(x, ids)
+    ws = idx._workspace(1, k, private=True, prefilter=True)
+    ex = ws["exact"]
+    p = ex["programs"]
+    bn = max(ex["cfg"].block_n, ex["cand"].shape[2])
+    q = torch.from_numpy(anisotropic(rng, 1, dim))
+    scores = torch.empty((1, k), dtype=torch.float32)
+    out = torch.empty((1, k), dtype=torch.int64)
+    trace = idx.trace = torch.full((p + 1, 8), -1, dtype=torch.int64)
+    idx._launch(q, k, idx._no_filter, False, scores, out, ws)
+    idx.trace = None
+    t = trace.numpy()
+    listed = int(ws["status"][1])
+    tiles = -(-listed // bn)
+    assert 0 < listed <= n and t[:p, 3].sum() == tiles  # every listed row's tile walked once
+    assert 0 <= t[p, 3] < max(1, min(p, tiles))  # the last program had a tile
+    assert (t[p, :3] == -1).all()  # no select phases: the candidates were scored exactly
+    check_result(idx, x, ids, None, q.numpy(), k, scores.numpy(), out.numpy())

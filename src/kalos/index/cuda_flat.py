@@ -201,7 +201,8 @@ class CudaFlatIndex:
         # (kernels.codes4_batch; 0: never), before the two passes (the spec's batch4=N)
         self.batch4_max_batch = BATCH4_MAX_BATCH
         # a [programs + 1, 8] int64 tensor that fused scans launched from now on fill with
-        # where their time goes (kernels.scan_topk's trace; scripts/search_gpu_phases.py)
+        # where their time goes (kernels.scan_topk's trace; scripts/search_gpu_phases.py):
+        # the full scan's, the int8 prefilter's, or the 4-bit cascade's exact pass's
         self.trace: Any = None
         # searches that took the prefilter, and those of them it did not prove (settled from
         # the bounds, or by a full scan where a graph has no bounds)
@@ -945,7 +946,7 @@ class CudaFlatIndex:
             self._vecs, self._sq, self._scopes, filt, q, ws["count"], ex["state"], ex["cand"],
             k=k, metric=self._metric_code, scoped=False, programs=ex["programs"], cfg=ex["cfg"],
             final=(ex["ticket"], self._ids, scores, ids), publish=publish, gate=gate,
-            cands=(ws["rows"], ws["status"] if status is None else status),
+            cands=(ws["rows"], ws["status"] if status is None else status), trace=self.trace,
         )  # fmt: skip
 
     def _launch_settle(self, q: Any, k: int, filt: Any, scores: Any, ids: Any,
