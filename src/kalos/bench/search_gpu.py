@@ -216,6 +216,10 @@ def _run_size(args: argparse.Namespace, torch: Any, corpus: corpora.Corpus, bw: 
     queries = corpus.queries  # [args.queries, dim] float32 unit rows, held out of the corpus
     q_gpu = torch.from_numpy(queries).cuda()
     rows: list[dict[str, Any]] = []
+    t_set = time.monotonic()
+
+    def mark(what: str) -> None:  # where a set's minutes go (a GPU host's time is scarce)
+        print(f"[{time.monotonic() - t_set:7.1f} s] {what}", flush=True)
 
     # Kernel alone: the same index class in this process, one graph replay per search.
     spec = f"cuda:flat,fp16,scan={args.scan}"
@@ -229,6 +233,7 @@ def _run_size(args: argparse.Namespace, torch: Any, corpus: corpora.Corpus, bw: 
         graph.query.copy_(q_gpu[next(qi) % len(q_gpu)][None])
         graph.replay()
 
+    mark("in-process index built")
     _event_times(torch, kernel, 50)
     t_kernel = _event_times(torch, graph.replay, args.queries)
     rows.append(summarize("kalos-kernel", t_kernel))
@@ -312,6 +317,7 @@ def _run_size(args: argparse.Namespace, torch: Any, corpus: corpora.Corpus, bw: 
         print("cascade stages:", cascade_stats["stages"])
         rows.append(row)
         del casc
+    mark("kernel rows timed")
     # The sidecar's search path without the protocol: GpuSearch.search in this process (the
     # query staged in pinned memory, the graph launched and waited for through the driver,
     # the proof's check), host clocks. Its gap to the kernel rows is the launch, the sync and
@@ -352,13 +358,16 @@ def _run_size(args: argparse.Namespace, torch: Any, corpus: corpora.Corpus, bw: 
     exact_kth = torch.cat([s for s, _ in exact])[:, -1].cpu().numpy()
     max_norm = float(db.float().norm(dim=1).max())
 
+    mark("in-process and torch rows timed")
     # End to end through a sidecar on the same GPU.
     floor_us = n * dim * 2 / bw * 1e6
     with tempfile.TemporaryDirectory(prefix="kalos-bench-") as rd, isolated_sidecar(
         dim=dim, name="bench-gpu", runtime_dir=rd,
         extra_args=("--device", "cuda", "--index", spec, "--reserve", str(n)),
     ) as sidecar:  # fmt: skip
+        mark("sidecar ready")
         _load(sidecar, db, ids, n, dim)
+        mark("sidecar loaded")
         # the sidecar on two CPUs of its own (its poller spins in the stream sync; its other
         # threads wake beside it), this process's threads on the others
         with cpu_split(args.affinity, {"sidecar": sidecar.process.pid}, 2) as affinity:
@@ -392,6 +401,7 @@ def _run_size(args: argparse.Namespace, torch: Any, corpus: corpora.Corpus, bw: 
                 timed, stages[name] = _timed_host(args, client, fn)
                 rows.append(summarize(name, timed["samples"], timed["wall"]))
             client.close()
+    mark("end-to-end rows timed")
     # The same host searches with the sidecar's poller launching each, side by side.
     doorbell_applies = n >= index.prefilter_min_rows and index.prefilter_ok(1, k)
     if doorbell_applies and n <= args.compare_rows:
@@ -417,6 +427,7 @@ def _run_size(args: argparse.Namespace, torch: Any, corpus: corpora.Corpus, bw: 
                 timed, stages[name] = _timed_host(args, client, plain)
                 rows.append(summarize(name, timed["samples"], timed["wall"]))
                 client.close()
+        mark("poller rows timed")
     rows.append({"system": "bandwidth-floor", "p50_us": round(floor_us, 3),
                  "bytes": n * dim * 2, "copy_bandwidth_TBps": round(bw / 1e12, 3)})  # fmt: skip
     by = {r["system"]: r for r in rows}
