@@ -58,8 +58,8 @@ def filter_of(store: MemoryStore, scope: M.Scope | None) -> tuple[int, int, int]
     return store.scopes.filter(scope)
 
 
-# (queries, k, scope): no filter, a filter matching most rows, a selective one, one that
-# matches nothing, several queries, k above the matches, k of one
+# (queries, k, scope): no filter (three of one k in a row), a filter matching most rows, a
+# selective one, one that matches nothing, several queries, k above the matches, k of one
 def members(seed: int = 1) -> list[tuple[np.ndarray, int, M.Scope | None]]:
     rng = np.random.default_rng(seed)
 
@@ -67,6 +67,8 @@ def members(seed: int = 1) -> list[tuple[np.ndarray, int, M.Scope | None]]:
         return rng.standard_normal((nq, DIM)).astype(np.float32)
 
     return [
+        (q(), 10, None),  # with the next two: members without a filter, of one k, in a row
+        (q(4), 10, None),
         (q(), 10, None),
         (q(), 3, M.Scope("a", None, None)),
         (q(), 5, M.Scope("a", "u1", None)),  # 10 rows match: fewer than k? no, 5 of 10
