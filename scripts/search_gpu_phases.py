@@ -27,7 +27,9 @@ on programs).
 rows its bounds left open, ``kernels.codes4``), on a corpus of :mod:`kalos.bench.corpora`
 (``clustered``, ``real-384``, ...) at each size: the same phases (its ``tail``: the last
 program's merge, write and publish), how many rows each search listed and how many programs
-had a tile of them, beside the CUDA-event time of the whole cascade (eager).
+had a tile of them, beside the CUDA-event time of the whole cascade (eager, and its graph);
+``--exact-programs 0 132 66`` repeats it for each grid of the exact pass
+(``CudaFlatIndex.exact4_programs``; 0: the full scan's), every grid's ids against the first's.
 
 Usage (CUDA machine): ``python3 scripts/search_gpu_phases.py --out DIR [--sizes 1000000x128]
 [--full] [--replicas 1 16] [--cascade clustered] [--dump PREFIX] [--suffix full]``; writes
@@ -149,9 +151,10 @@ def _variant(
     return row, np.sort(np.stack(found), axis=1)
 
 
-def run_cascade(corpus_name: str, n: int, dim: int, k: int, runs: int, dump: str | None
-                ) -> list[dict[str, Any]]:  # fmt: skip
-    """The 4-bit cascade's exact pass, traced over ``runs`` held-out queries of the corpus."""
+def run_cascade(corpus_name: str, n: int, dim: int, k: int, runs: int, dump: str | None,
+                exact_programs: list[int]) -> list[dict[str, Any]]:  # fmt: skip
+    """The 4-bit cascade's exact pass, traced over ``runs`` held-out queries of the corpus,
+    on each grid of ``exact_programs`` in turn (0: the full scan's)."""
     from kalos.bench import corpora
 
     # 2,000 held-out queries, as search-gpu loads them (a real corpus's cache is built for
@@ -168,6 +171,22 @@ def run_cascade(corpus_name: str, n: int, dim: int, k: int, runs: int, dump: str
     del db
     qs = torch.from_numpy(corpus.queries[:runs]).cuda()
     idx.prefilter_min_rows = 0
+    rows = []
+    want = None
+    for programs in exact_programs:
+        idx.exact4_programs = programs
+        row, found = _cascade_variant(idx, qs, k, corpus_name, dump)
+        want = found if want is None else want
+        row["ids_differ_from_first"] = int((found != want).any(axis=1).sum())
+        print(row, flush=True)
+        rows.append(row)
+    return rows
+
+
+def _cascade_variant(idx: Any, qs: Any, k: int, corpus_name: str, dump: str | None
+                     ) -> tuple[dict[str, Any], np.ndarray]:  # fmt: skip
+    """One grid of the cascade's exact pass: its traced runs and the ids it found."""
+    n, dim = len(idx), idx.dim
     ws = idx._workspace(1, k, private=True, prefilter=True)
     ex = ws["exact"]
     p = ex["programs"]
@@ -179,27 +198,35 @@ def run_cascade(corpus_name: str, n: int, dim: int, k: int, runs: int, dump: str
     _event_times(torch, launch, 20)
     eager = _event_times(torch, launch, 200) / 1e3
     idx.trace = torch.zeros((p + 1, 8), dtype=torch.int64, device="cuda")
-    traces, listed = [], []
+    traces, listed, found = [], [], []
     for i in range(len(qs)):
         q.copy_(qs[i : i + 1])
         launch()
         torch.cuda.synchronize()
         traces.append(idx.trace.cpu().numpy().copy())
         listed.append(int(ws["status"][1]))
+        found.append(ids.cpu().numpy()[0])
     idx.trace = None
     if dump:
-        np.save(f"{dump}-trace-{corpus_name}-{n}x{dim}-cascade-exact.npy", np.stack(traces))
+        name = f"{corpus_name}-{n}x{dim}-cascade-exact-p{p}"
+        np.save(f"{dump}-trace-{name}.npy", np.stack(traces))
     with_tiles = [int((t[:p, 3] > 0).sum()) for t in traces]
+    # the graph the sidecar replays, with this grid, timed whole (CUDA events)
+    g = idx.graph(1, k, prefilter=True)
+    g.query.copy_(qs[:1])
+    graph = g.prefilter_cuda_graph()
+    _event_times(torch, graph.replay, 20)
+    replay = _event_times(torch, graph.replay, 200) / 1e3
     row = {
         "system": "kalos-kernel-cascade-exact", "corpus": corpus_name, "n": n, "dim": dim,
         "k": k, "scan": "4bit cascade, its exact pass", "config": repr(ex["cfg"]),
         "programs": p, "block_n": max(ex["cfg"].block_n, ex["cand"].shape[2]), "runs": len(qs),
         "listed_p50": int(np.median(listed)), "listed_max": int(max(listed)),
         "programs_with_tiles_p50": int(np.median(with_tiles)),
-        "cascade_eager_event_p50_us": _median(eager), **_phases(traces, p),
+        "cascade_eager_event_p50_us": _median(eager),
+        "cascade_graph_event_p50_us": _median(replay), **_phases(traces, p),
     }  # fmt: skip
-    print(row, flush=True)
-    return [row]
+    return row, np.sort(np.stack(found), axis=1)
 
 
 def run_size(
@@ -243,6 +270,8 @@ def main() -> int:
     ap.add_argument("--dump", default=None, help="a path prefix for every run's raw trace")
     ap.add_argument("--cascade", default=None, metavar="CORPUS",
                     help="trace the 4-bit cascade's exact pass on this corpus instead")  # fmt: skip
+    ap.add_argument("--exact-programs", nargs="+", type=int, default=[0],
+                    help="--cascade: its exact pass's grids (0: the full scan's)")  # fmt: skip
     ap.add_argument(
         "--replicas",
         nargs="+",
@@ -255,7 +284,8 @@ def main() -> int:
     for size in args.sizes:
         n, dim = (int(v) for v in size.split("x"))
         if args.cascade:
-            rows += run_cascade(args.cascade, n, dim, args.k, args.runs, args.dump)
+            rows += run_cascade(args.cascade, n, dim, args.k, args.runs, args.dump,
+                                args.exact_programs)  # fmt: skip
         else:
             rows += run_size(n, dim, args.k, args.runs, args.full, args.dump, args.replicas)
         torch.cuda.empty_cache()

@@ -331,3 +331,21 @@ def test_the_trace_follows_the_exact_pass():
     assert 0 <= t[p, 3] < max(1, min(p, tiles))  # the last program had a tile
     assert (t[p, :3] == -1).all()  # no select phases: the candidates were scored exactly
     check_result(idx, x, ids, None, q.numpy(), k, scores.numpy(), out.numpy())
+
+
+@pytest.mark.parametrize("programs", [1, 3])
+def test_the_exact_pass_on_fewer_programs_stays_exact(programs):
+    # CudaFlatIndex.exact4_programs (the phases probe's launch shapes): the exact pass on a
+    # grid of its own, by search and by a search graph
+    rng = np.random.default_rng(programs)
+    dim, n = 96, 700
+    idx = cascade_index("cosine", dim)
+    idx.exact4_programs = programs
+    x = anisotropic(rng, n, dim)
+    ids = np.arange(n, dtype=np.int64) * 5 + 2
+    idx.add(x, ids)
+    assert idx._workspace(1, 10, private=True, prefilter=True)["exact"]["programs"] == programs
+    queries = anisotropic(rng, 3, dim)
+    for q in queries[:2]:
+        check_search(idx, x, ids, None, q, 10)
+    check_graph_search(idx, x, ids, None, queries[2], 10)

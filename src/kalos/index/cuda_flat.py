@@ -204,6 +204,9 @@ class CudaFlatIndex:
         # where their time goes (kernels.scan_topk's trace; scripts/search_gpu_phases.py):
         # the full scan's, the int8 prefilter's, or the 4-bit cascade's exact pass's
         self.trace: Any = None
+        # the 4-bit cascade's exact pass: its programs (0: the full scan's grid), for
+        # workspaces made from now on (scripts/search_gpu_phases.py --exact-programs)
+        self.exact4_programs = 0
         # searches that took the prefilter, and those of them it did not prove (settled from
         # the bounds, or by a full scan where a graph has no bounds)
         self.prefilter_searches = 0
@@ -922,8 +925,18 @@ class CudaFlatIndex:
             "rows": self._shared("rows", (self._cap,), torch.int32),
             "emit_ticket": torch.zeros(1, dtype=torch.int32, device=dev),
             "status": torch.zeros(2, dtype=torch.int32, device=dev),
-            "exact": self._workspace(1, k, private=True),
+            "exact": self._exact4_workspace(k),
         }
+
+    def _exact4_workspace(self, k: int) -> dict[str, Any]:
+        """The cascade's exact pass's workspace: a single query's scan, on ``exact4_programs``
+        programs where set."""
+        ex = self._workspace(1, k, private=True)
+        if self.exact4_programs:
+            p = ex["programs"] = self.exact4_programs
+            kp = self._k.key_width(k)
+            ex["cand"] = self._torch.empty((1, p, kp), dtype=self._torch.int64, device=self.device)
+        return ex
 
     def _launch4(self, q: Any, k: int, filt: Any, scoped: bool, scores: Any, ids: Any,
                  ws: dict[str, Any], status: Any, publish: Any, gate: Any) -> None:  # fmt: skip
