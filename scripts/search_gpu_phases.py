@@ -29,7 +29,9 @@ rows its bounds left open, ``kernels.codes4``), on a corpus of :mod:`kalos.bench
 program's merge, write and publish), how many rows each search listed and how many programs
 had a tile of them, beside the CUDA-event time of the whole cascade (eager, and its graph);
 ``--exact-programs 0 132 66`` repeats it for each grid of the exact pass
-(``CudaFlatIndex.exact4_programs``; 0: the full scan's), every grid's ids against the first's.
+(``CudaFlatIndex.exact4_programs``; 0: the full scan's), and ``--exact-skip 1 0`` with and
+without its skip of tiles below the bound (``ScanConfig.skip``), every variant's ids against
+the first's.
 
 Usage (CUDA machine): ``python3 scripts/search_gpu_phases.py --out DIR [--sizes 1000000x128]
 [--full] [--replicas 1 16] [--cascade clustered] [--dump PREFIX] [--suffix full]``; writes
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 from typing import Any
 
 import numpy as np
@@ -152,9 +155,11 @@ def _variant(
 
 
 def run_cascade(corpus_name: str, n: int, dim: int, k: int, runs: int, dump: str | None,
-                exact_programs: list[int]) -> list[dict[str, Any]]:  # fmt: skip
+                exact_programs: list[int], exact_skip: list[int]
+                ) -> list[dict[str, Any]]:  # fmt: skip
     """The 4-bit cascade's exact pass, traced over ``runs`` held-out queries of the corpus,
-    on each grid of ``exact_programs`` in turn (0: the full scan's)."""
+    on each grid of ``exact_programs`` (0: the full scan's), with and without the skip of
+    tiles below the bound (``exact_skip``: 1, 0) in turn."""
     from kalos.bench import corpora
 
     # 2,000 held-out queries, as search-gpu loads them (a real corpus's cache is built for
@@ -173,9 +178,13 @@ def run_cascade(corpus_name: str, n: int, dim: int, k: int, runs: int, dump: str
     idx.prefilter_min_rows = 0
     rows = []
     want = None
-    for programs in exact_programs:
+    tuned = kern.choose_config(dim, 2, 1, k, True)  # the exact pass's (a single query's)
+    for programs, skip in itertools.product(exact_programs, exact_skip):
         idx.exact4_programs = programs
+        # the exact pass's launch shape (the bounds pass keeps its own: codes4.choose_config)
+        idx.scan_config = None if skip else tuned.replace(skip=False)
         row, found = _cascade_variant(idx, qs, k, corpus_name, dump)
+        row["exact_skip"] = bool(skip)
         want = found if want is None else want
         row["ids_differ_from_first"] = int((found != want).any(axis=1).sum())
         print(row, flush=True)
@@ -272,6 +281,8 @@ def main() -> int:
                     help="trace the 4-bit cascade's exact pass on this corpus instead")  # fmt: skip
     ap.add_argument("--exact-programs", nargs="+", type=int, default=[0],
                     help="--cascade: its exact pass's grids (0: the full scan's)")  # fmt: skip
+    ap.add_argument("--exact-skip", nargs="+", type=int, choices=(0, 1), default=[1],
+                    help="--cascade: its exact pass with (1) or without (0) the skip")  # fmt: skip
     ap.add_argument(
         "--replicas",
         nargs="+",
@@ -285,7 +296,7 @@ def main() -> int:
         n, dim = (int(v) for v in size.split("x"))
         if args.cascade:
             rows += run_cascade(args.cascade, n, dim, args.k, args.runs, args.dump,
-                                args.exact_programs)  # fmt: skip
+                                args.exact_programs, args.exact_skip)  # fmt: skip
         else:
             rows += run_size(n, dim, args.k, args.runs, args.full, args.dump, args.replicas)
         torch.cuda.empty_cache()
