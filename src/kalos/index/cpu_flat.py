@@ -8,7 +8,9 @@ of the winners only. This module keeps the scoring; the table keeps the rows.
 Top-k selection, measured on the 2-core CI VM (100K float32 scores): ``np.argpartition`` over
 all of them took ~0.8 ms, as long as a third of the product itself; taking a threshold from a
 1/32 strided sample first (:func:`top_k_1d`) and partitioning only the few scores above it takes
-~0.05 ms and stays exact. The backend comparison that made this ``"cpu:flat"`` is in
+~0.05 ms and stays exact. Rows too few for the sample (fewer than 256 × k) are partitioned whole,
+which for several queries (a search's, or a batch's unfiltered members of one k) is one call
+over all of them (:func:`top_k_2d`). The backend comparison that made this ``"cpu:flat"`` is in
 ``bench/results/index-cpu-choice-ci-2core.json``.
 """
 
