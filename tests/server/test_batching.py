@@ -333,3 +333,16 @@ def test_mutated_members_fail_alone_and_the_good_ones_stay_exact() -> None:
                 r = M.decode_search_response(out, n)
                 q, k, s = want
                 check_search((r.scores, r.ids), items, q, k, "ip", filter_of(store, s))
+
+
+def test_a_filtered_member_between_unfiltered_ones_of_its_k_keeps_its_filter() -> None:
+    # cpu:flat selects a run of unfiltered members of one k together: a filtered member of
+    # the same k between them (at position 1 too) is a run of its own
+    store, items = make_store("ip")
+    rng = np.random.default_rng(5)
+    scope = M.Scope("a", None, None)  # most rows: it shares the batch's product
+    batch = [(rng.standard_normal((1, DIM)).astype(np.float32), 10, s)
+             for s in (None, scope, None, None, scope)]  # fmt: skip
+    for (queries, k, s), hit in zip(batch, store.search_many(batch), strict=True):
+        assert not isinstance(hit, Exception), hit
+        check_search(hit, items, queries, k, "ip", filter_of(store, s))

@@ -17,6 +17,7 @@ over all of them (:func:`top_k_2d`). The backend comparison that made this ``"cp
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import groupby
 
 import numpy as np
 
@@ -190,19 +191,15 @@ class CpuFlatIndex(RowIndex):
             group = shared[start:stop]
             scores = self._shared_scores(np.concatenate([m[1] for m in group]))  # [B, n]
             at = 0
-            j = 0
-            while j < len(group):
-                # a run of members without a filter and of one k selects its rows together
-                # (one call for all of them where the rows are short: _take_top_k)
-                end = j + 1
-                if group[j][3] is None:
-                    while (
-                        end < len(group) and group[end][3] is None and group[end][2] == group[j][2]
-                    ):
-                        end += 1
-                run = group[j:end]
+            # consecutive members without a filter and of one k select their rows together
+            # (one call for all of them where the rows are short: _take_top_k)
+            for _, members_run in groupby(
+                group, key=lambda m: (m[2], None if m[3] is None else m[0])
+            ):
+                run = list(members_run)
                 taken = sum(m[1].shape[0] for m in run)
                 mine = scores[at : at + taken]
+                at += taken
                 reject = run[0][3]
                 if reject is not None:
                     mine[:, reject] = -np.inf
@@ -212,8 +209,6 @@ class CpuFlatIndex(RowIndex):
                 for i, mq, *_ in run:
                     results[i] = (top_scores[r : r + mq.shape[0]], top_ids[r : r + mq.shape[0]])
                     r += mq.shape[0]
-                at += taken
-                j = end
             start = stop
         return results  # type: ignore[return-value]
 
