@@ -50,3 +50,42 @@ def test_the_reference_finds_a_wrong_answer():
     assert not ref.wrong(q, 10, True, top_mine)
     assert not set(best) <= set(mine)
     assert ref.wrong(q, 10, True, best)  # the unscoped top 10 under the scope filter
+
+
+def test_every_answer_is_checked_after_the_last_timed_search():
+    rng = np.random.default_rng(5)
+    db = rng.standard_normal((1600, 16)).astype(np.float16)  # 200 rows a user: k = 100 fits
+    ids = np.arange(1600, dtype=np.int64) + 1000
+    pos_of = {int(x): i for i, x in enumerate(ids)}
+    queries = rng.standard_normal((12, 16)).astype(np.float32)
+    events: list[str] = []
+
+    class Ref(cold_start._Reference):
+        def wrong(self, q, k, scoped, pos):  # type: ignore[no-untyped-def]
+            events.append("check")
+            return super().wrong(q, k, scoped, pos)
+
+    class Answer:
+        def __init__(self, found: np.ndarray) -> None:
+            self.ids = found
+
+    class Client:
+        """Every other search answered with the bottom rows instead of the top ones."""
+
+        calls = 0
+
+        def search(self, q, k, scope=None, payloads=False, copy=True):  # type: ignore[no-untyped-def]
+            events.append("search")
+            scores = db.astype(np.float32) @ q.astype(np.float16).astype(np.float32)
+            if scope is not None:
+                users = cold_start._users(len(db))
+                scores[users != int(cold_start.SCOPED_USER[1:])] = -np.inf
+            order = np.argsort(-scores)
+            Client.calls += 1
+            pick = order[:k] if Client.calls % 2 else order[np.isfinite(scores[order])][-k:]
+            return Answer(ids[pick])
+
+    ref = Ref(torch, db, "cpu")
+    out = cold_start._searches(Client(), queries, 12, 0, ref, pos_of)
+    assert out["searches"] == 12 and out["wrong"] == 6
+    assert events == ["search"] * 12 + ["check"] * 12
