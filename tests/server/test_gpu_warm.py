@@ -37,7 +37,12 @@ except ImportError:  # pragma: no cover - an older Triton
 from cuda_reference import make_index
 from kalos.gpu import driver
 from kalos.index.cuda_flat import _MAX_K
-from kalos.index.kernels import ivf_keys, precompile, topk_small  # noqa: F401  (recorded)
+from kalos.index.kernels import (  # noqa: F401  (recorded)
+    ivf_keys,
+    precompile,
+    scan_topk,
+    topk_small,
+)
 from kalos.protocol import layout as L
 from kalos.protocol import messages as M
 from kalos.server.channels import ServerChannel
@@ -256,6 +261,23 @@ def test_the_dry_warm_up_notes_every_variant_of_the_warm_up_and_runs_none(gpu, r
     registry.variants.clear()
     index.warm()  # the real warm-up (no precompile off a GPU) launches nothing unplanned
     assert registry.variants and registry.variants <= planned
+
+
+def test_the_fused_scan_has_one_variant_for_every_grid(gpu, registry):
+    # the final selection's step (CHUNK) is one width whatever the program count, so the
+    # warm-up's scan variants do not multiply by the classes of program count its capacity
+    # can reach (merge_topk's step still follows them: several classes are walked here)
+    index = gpu.index
+    grow(index, 300, np.random.default_rng(5))
+    with precompile.recording() as noted:
+        index._warm_launches(publish=True, gated=True, stop=None, dry=True)
+    steps: dict[str, set[int]] = {"_scan_topk_kernel": set(), "_merge_topk_kernel": set()}
+    for rec, _, kwargs in noted:
+        name = rec.kernel.fn.__name__
+        if name in steps:
+            steps[name].add(kwargs["CHUNK"])
+    assert len(steps["_merge_topk_kernel"]) > 1
+    assert steps["_scan_topk_kernel"] == {scan_topk.FUSED_CHUNK}
 
 
 def test_a_failing_precompile_worker_is_reported_and_a_stop_ends_them():

@@ -1265,8 +1265,8 @@ class CudaFlatIndex:
         def program_classes(cfg: Any, kept: int, cap: int, prefilter: bool) -> list[int | None]:
             # One program count per class of what depends on it: the lists' width (the
             # prefilter's, as _workspace sets it) and next_pow2(programs * width), which fixes
-            # the chunk of the final selection (scan_topk's CHUNK, merge_topk's). The count
-            # grows with the capacity (never shrinks), up to its value at any size.
+            # the chunk of merge_topk's selection (the fused scan's is one for every grid).
+            # The count grows with the capacity (never shrinks), up to its value at any size.
             if cfg is None:  # the general path: no programs
                 return [None]
             classes: dict[tuple[int, int], int] = {}

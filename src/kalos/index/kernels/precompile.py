@@ -1,8 +1,9 @@
 """Compiling a warm-up's kernel variants in parallel, in worker processes.
 
 Triton compiles one variant at a time and holds the interpreter while it does (threads do not
-help). A cuda index's warm-up launches 200 to 300 variants (on the H200: 235 at 384
-dimensions, 304 at 128), seconds of compile each: minutes from an empty kernel cache. So the
+help). A cuda index's warm-up launches 150 to 200 variants (its dry run with an H100's
+launch shapes: 156 at 384 dimensions, 192 at 128), seconds of compile each: minutes from an
+empty kernel cache. So the
 warm-up first runs dry: with :func:`recording` active, :func:`launch` notes each kernel
 launch (the kernel, its arguments' types, alignments and values, its options) instead of
 running it. :func:`compile_all` then hands the distinct launches to worker processes

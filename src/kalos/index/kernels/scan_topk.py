@@ -1285,7 +1285,10 @@ def survivors_width(k: int) -> int:
 
 
 # Candidates per step of the fused final top-k: the scan's program (4 warps) holds a step in
-# registers, so smaller steps than merge_topk's own (8 warps, up to 8192).
+# registers, so smaller steps than merge_topk's own (8 warps, up to 8192). One step width for
+# every grid: a constexpr that followed the candidates' count would make a variant of each
+# class of program count, to compile at warm-up (the unfused scan never reads it); fewer
+# candidates than a step only leave the step's tail masked.
 FUSED_CHUNK = 2048
 
 
@@ -1454,7 +1457,6 @@ def scan_topk(
     else:  # unused pointers
         ticket = ids = scores_out = ids_out = cand
         stride_os = stride_oi = 0
-    ncand = programs * kp
     launch(
         _scan_topk_kernel,
         (programs,),
@@ -1509,7 +1511,7 @@ def scan_topk(
         CTA_OR=mode == "ptx",
         FUSED=fused,
         SURV=surv.shape[1],
-        CHUNK=min(FUSED_CHUNK, merge_chunk(ncand, k)),
+        CHUNK=max(FUSED_CHUNK, kp, kpc),
         CODES=codes_mode,
         KPF=key_width(kf),
         KPC=kpc,
