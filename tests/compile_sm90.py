@@ -1,8 +1,9 @@
 """Compiles the search kernels' main variants for an H100/H200 (sm_90) on a machine without a
 GPU, through Triton's own JIT (``warmup``: the launch's specialisation, nothing runs): the
-full fp16 scan, the int8 prefilter (proven, and settled behind it), and the 4-bit cascade
-(plain, behind a gate that publishes, traced), each with the PTX paths a GPU takes. A kernel
-that the interpreter runs but the compiler rejects fails here, not on the GPU host.
+full fp16 scan (lists of 16 keys, and of 64 at 384 dims), the int8 prefilter (proven, and
+settled behind it), and the 4-bit cascade (plain, behind a gate that publishes, traced),
+each with the PTX paths a GPU takes. A kernel that the interpreter runs but the compiler
+rejects fails here, not on the GPU host.
 
 Run as a script in a process of its own (tests/index/test_compile_sm90.py does): the kernels
 must be Triton's compiled ones, not the interpreter's. Exits 1 if a variant fails.
@@ -65,6 +66,12 @@ def _launches() -> list[tuple]:
         full = _index(128, "full")
         q = torch.zeros((1, 128))
         full._launch(q, k, full._no_filter, False, scores, ids, full._workspace(1, k))
+        # lists of 64 keys (k = 33-64) on tiles of 64 rows (384 dims), whose fused path
+        # Triton 3.9's layout inference once failed on (a plain max over a sorted list)
+        wide = _index(384, "full")
+        out64 = torch.empty((1, 64)), torch.empty((1, 64), dtype=torch.int64)
+        wide._launch(torch.zeros((1, 384)), 64, wide._no_filter, False, *out64,
+                     wide._workspace(1, 64))  # fmt: skip
         pre = _index(128, "int8")
         ws = pre._workspace(1, k, private=True, prefilter=True)
         status = torch.zeros(1, dtype=torch.int32)

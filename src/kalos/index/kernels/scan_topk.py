@@ -679,7 +679,10 @@ def _scan_topk_kernel(
                     kth = tl.max(tl.where(kk[None, :] == k - 1, run, _KEY_NONE), axis=1)
                     kth = tl.broadcast_to(kth[:, None], [BQS, REPL])
                     tl.atomic_max(thr_all, kth, mask=qs_ok[:, None], sem="relaxed")
-                top1 = tl.broadcast_to(tl.max(run, axis=1)[:, None], [BQS, REPL])
+                # the list's first key (its best), picked as kth is: a plain max over the
+                # sorted list fails Triton 3.9's layout inference at KP >= 32
+                top1 = tl.max(tl.where(kk[None, :] == 0, run, _KEY_NONE), axis=1)
+                top1 = tl.broadcast_to(top1[:, None], [BQS, REPL])
                 tl.atomic_max(my_slot, top1, mask=qs_ok[:, None], sem="relaxed")
 
     if CODES != 4:  # (the bounds pass keeps no lists)
