@@ -179,6 +179,11 @@ def run_cascade(corpus_name: str, n: int, dim: int, k: int, runs: int, dump: str
     rows = []
     want = None
     tuned = kern.choose_config(dim, 2, 1, k, True)  # the exact pass's (a single query's)
+    # the first variant once unrecorded: measured first, it read 10-19 us slower than the
+    # same grid did in search-gpu (search-gpu-phases-H100.json's note)
+    idx.exact4_programs = exact_programs[0]
+    idx.scan_config = None if exact_skip[0] else tuned.replace(skip=False)
+    _cascade_variant(idx, qs, k, corpus_name, None)
     for programs, skip in itertools.product(exact_programs, exact_skip):
         idx.exact4_programs = programs
         # the exact pass's launch shape (the bounds pass keeps its own: codes4.choose_config)
