@@ -32,6 +32,7 @@ def test_cold_start_reports_both_starts_and_checks_every_answer():
                                             for s in ("", ",scoped"))  # fmt: skip
             assert sum(x["searches"] for x in shapes.values()) == count
         assert r["first_max_over_steady_p99"] > 0
+        assert "doorbell" not in r["first"]  # a CPU sidecar has none
 
 
 def test_the_reference_finds_a_wrong_answer():
@@ -70,9 +71,14 @@ def test_every_answer_is_checked_after_the_last_timed_search():
             self.ids = found
 
     class Client:
-        """Every other search answered with the bottom rows instead of the top ones."""
+        """Every other search answered with the bottom rows instead of the top ones; a GPU
+        doorbell's counts in its stats, that took every third search and declined the rest."""
 
         calls = 0
+
+        def stats(self):  # type: ignore[no-untyped-def]
+            took = Client.calls // 3 + 5
+            return {"gpu_doorbell_answered": took, "gpu_doorbell_declined": Client.calls - took}
 
         def search(self, q, k, scope=None, payloads=False, copy=True):  # type: ignore[no-untyped-def]
             events.append("search")
@@ -88,4 +94,5 @@ def test_every_answer_is_checked_after_the_last_timed_search():
     ref = Ref(torch, db, "cpu")
     out = cold_start._searches(Client(), queries, 12, 0, ref, pos_of)
     assert out["searches"] == 12 and out["wrong"] == 6
+    assert out["doorbell"] == {"answered": 4, "declined": 8}
     assert events == ["search"] * 12 + ["check"] * 12

@@ -99,7 +99,9 @@ def _searches(client: Any, queries: np.ndarray, count: int, offset: int, ref: _R
               pos_of: dict[int, int]) -> dict[str, Any]:  # fmt: skip
     """``count`` searches back to back, then each answer checked: the checks run on the
     reference's device, which may be the sidecar's GPU, so none runs between two timed
-    searches."""
+    searches. Where the sidecar has a GPU doorbell, how many of them it answered on the GPU
+    and how many it declined (another shape than the channel's last search's, for one)."""
+    before = client.stats()
     lat = np.zeros(count, np.int64)
     timeouts = wrong = 0
     clock = time.perf_counter_ns
@@ -118,6 +120,9 @@ def _searches(client: Any, queries: np.ndarray, count: int, offset: int, ref: _R
             continue
         lat[j] = clock() - t
         answers.append((i, r.ids))
+    after = client.stats()
+    doorbell = {name: after[f"gpu_doorbell_{name}"] - before.get(f"gpu_doorbell_{name}", 0)
+                for name in ("answered", "declined") if f"gpu_doorbell_{name}" in after}
     for i, found in answers:
         k, scoped = _mix(i)
         pos = np.array([pos_of.get(int(x), -1) for x in found], np.int64)
@@ -136,7 +141,7 @@ def _searches(client: Any, queries: np.ndarray, count: int, offset: int, ref: _R
     return {"searches": count, "p50_us": round(float(np.percentile(us, 50)), 1),
             "p99_us": round(float(np.percentile(us, 99)), 1), "max_us": round(float(us.max()), 1),
             "timeouts": timeouts, "wrong": wrong, "by_shape": by_shape,
-            "slowest": slowest}  # fmt: skip
+            "slowest": slowest, **({"doorbell": doorbell} if doorbell else {})}  # fmt: skip
 
 
 def measure(torch: Any, db: np.ndarray, ids: np.ndarray, queries: np.ndarray,
