@@ -121,8 +121,11 @@ def _searches(client: Any, queries: np.ndarray, count: int, offset: int, ref: _R
         lat[j] = clock() - t
         answers.append((i, r.ids))
     after = client.stats()
-    doorbell = {name: after[f"gpu_doorbell_{name}"] - before.get(f"gpu_doorbell_{name}", 0)
-                for name in ("answered", "declined") if f"gpu_doorbell_{name}" in after}
+    doorbell = {
+        name: after[f"gpu_doorbell_{name}"] - before.get(f"gpu_doorbell_{name}", 0)
+        for name in ("answered", "declined")
+        if f"gpu_doorbell_{name}" in after
+    }
     for i, found in answers:
         k, scoped = _mix(i)
         pos = np.array([pos_of.get(int(x), -1) for x in found], np.int64)
