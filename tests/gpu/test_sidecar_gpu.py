@@ -34,9 +34,10 @@ def exact_topk(base16: np.ndarray, q: np.ndarray, k: int, mask: np.ndarray | Non
 
 def assert_same_topk(got_ids, got_scores, ids, base16, q, k, mask=None) -> None:
     """The exact top-k up to ties, against the float64 reference of the query as given or as
-    rounded to fp16 (the storage dtype, which the single-query scan computes in: at 64 dims
-    the rounding moves a score by up to ~0.01, more than the tolerance of a tie). Every
-    returned id scores at least the k-th best, and the scores are the returned rows'."""
+    rounded to fp16: a single query is scored with the fp32 query, but requests of several
+    channels served as one batch are scored in the storage dtype (at 64 dims that moves a
+    score by up to ~0.01, more than the tolerance of a tie). Every returned id scores at
+    least the k-th best, and the scores are the returned rows'."""
     pos = {int(i): p for p, i in enumerate(ids)}
     rows = np.array([pos[int(i)] for i in got_ids])
     failures = []
