@@ -1,6 +1,7 @@
 """Compiles the search kernels' main variants for an H100/H200 (sm_90) on a machine without a
 GPU, through Triton's own JIT (``warmup``: the launch's specialisation, nothing runs): the
-full fp16 scan (lists of 16 keys, and of 64 at 384 dims), the int8 prefilter (proven, and
+full fp16 scan (lists of 16 keys, and of 64 at 384 dims; batches of 16 through the tensor
+cores, and the general path of k = 100), the int8 prefilter (proven, and
 settled behind it), and the 4-bit cascade (plain, behind a gate that publishes, traced),
 each with the PTX paths a GPU takes. A kernel that the interpreter runs but the compiler
 rejects fails here, not on the GPU host.
@@ -72,6 +73,21 @@ def _launches() -> list[tuple]:
         out64 = torch.empty((1, 64)), torch.empty((1, 64), dtype=torch.int64)
         wide._launch(torch.zeros((1, 384)), 64, wide._no_filter, False, *out64,
                      wide._workspace(1, 64))  # fmt: skip
+        # batches through the tensor cores, the query's low half in lanes of their own
+        # (dot_lanes): 4 queries at 384 dims (spare lanes) and 16 (the operand doubled); 16 at
+        # 768 and 1536 dims (not split); and the general path (k above the fused scan's)
+        for dim, nq in ((384, 4), (384, 16), (768, 16), (1536, 16)):
+            bat = _index(dim, "full")
+            bat.two_pass_min_batch = 0
+            outb = torch.empty((nq, k)), torch.empty((nq, k), dtype=torch.int64)
+            bat._launch(torch.zeros((nq, dim)), k, bat._no_filter, False, *outb,
+                        bat._workspace(nq, k))  # fmt: skip
+        out100 = torch.empty((4, 100)), torch.empty((4, 100), dtype=torch.int64)
+        bat._launch(torch.zeros((4, 1536)), 100, bat._no_filter, False, *out100,
+                    bat._workspace(4, 100))  # fmt: skip
+        gen = _index(384, "full")
+        gen._launch(torch.zeros((4, 384)), 100, gen._no_filter, False, *out100,
+                    gen._workspace(4, 100))  # fmt: skip
         pre = _index(128, "int8")
         ws = pre._workspace(1, k, private=True, prefilter=True)
         status = torch.zeros(1, dtype=torch.int32)

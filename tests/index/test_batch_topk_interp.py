@@ -192,8 +192,7 @@ def test_workspace_too_small_is_refused():
 def test_slack_keeps_a_tile_the_rounded_query_ranks_below():
     """Row b scores best for the query, but below row a (in another tile) once the query is
     rounded to fp16 as the first pass's dot takes it: the slack keeps b's tile, and the batch
-    answers b, the float64 reference's best (the fused scan of a batch, which scores with the
-    rounded query, answers a)."""
+    answers b, the float64 reference's best."""
     rng = np.random.default_rng(21)
     dim, n = 64, 300
     q, a, b = rounding_flips_the_order(rng, dim)
@@ -205,6 +204,33 @@ def test_slack_keeps_a_tile_the_rounded_query_ranks_below():
     _, got = idx.search(batch, 1)
     assert int(np.argmax(x.astype(np.float64) @ q.astype(np.float64))) == 150
     assert got[:, 0].tolist() == [151] * 4
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_a_batch_ranks_by_the_fp32_query_as_one_search_does(dtype):
+    """Row b scores best for the fp32 query, row a once the query is rounded to fp16. The
+    fused scan of a batch (below the two passes) and the general path (k above the fused
+    scan's) score with tensor-core dots, whose operands take the storage type: each scores
+    the query's two halves (the rounded query and what the rounding left), so every member
+    answers b with b's fp32 score, as the search alone does."""
+    rng = np.random.default_rng(21)
+    dim, n = 64, 300
+    q, a, b = rounding_flips_the_order(rng, dim)
+    x = (0.01 * rng.standard_normal((n, dim))).astype(np.float32)
+    x[0], x[150] = a, b
+    ids = np.arange(1, n + 1, dtype=np.int64)
+    idx = make_index("ip", dtype, dim, "cpu")
+    idx.two_pass_min_batch = 0  # the fused scan for every batch
+    idx.add(x, ids)
+    stored = idx.reconstruct(ids).astype(np.float64)
+    want = stored @ q.astype(np.float64)
+    assert int(np.argmax(want)) == 150
+    for nq, k in ((1, 1), (4, 1), (4, 3), (4, 100), (1, 300)):
+        assert idx._fast(nq, k) == (k <= 3)  # k 100 in a batch and 300: the general path
+        scores, got = idx.search(np.tile(q, (nq, 1)), k)
+        assert got[:, 0].tolist() == [151] * nq, (nq, k)
+        # the halves' products: within ~2^-22 of |q| |x| on fp16 rows, ~2^-16 on bf16
+        np.testing.assert_allclose(scores[:, 0], want[150], rtol=1e-6 if dtype == "fp16" else 5e-5)
 
 
 @pytest.mark.parametrize(("k", "split"), [(1, 1), (10, 4), (16, 16), (10, 64)])

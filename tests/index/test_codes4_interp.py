@@ -291,8 +291,9 @@ def test_the_exact_pass_over_few_and_many_listed_rows(listed):
             programs=ex["programs"], cfg=ex["cfg"], final=(ex["ticket"], idx._ids, scores, ids),
             cands=(rows, status),
         )  # fmt: skip
-        # the exact pass scores with the query in the rows' precision
-        ref = stored[pick] @ q[0].astype(np.float16).astype(np.float64)
+        # the exact pass scores with the fp32 query (on a GPU with FMAs; under the
+        # interpreter with the dot, which takes the query's two halves)
+        ref = stored[pick] @ q[0].astype(np.float64)
         top = np.argsort(-ref, kind="stable")[:k]
         want = pick[top].astype(np.int64) * 7 + 3
         got = ids.numpy()[0]

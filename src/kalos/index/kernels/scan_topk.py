@@ -171,9 +171,13 @@ def _load_queries(
     BLOCK_D: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     METRIC: tl.constexpr,
+    WRAP: tl.constexpr = 0,
 ):
-    # q: [nq, D] fp32 | fp16 | bf16 -> [BLOCK_Q, BLOCK_D] fp32, zero-padded; unit rows for cosine
+    # q: [nq, D] fp32 | fp16 | bf16 -> [BLOCK_Q, BLOCK_D] fp32, zero-padded; unit rows for cosine.
+    # WRAP: row r holds query r % WRAP (the split dot's second group of lanes, _dot_operand)
     qi = tl.arange(0, BLOCK_Q)
+    if WRAP:
+        qi = qi % WRAP
     dc = tl.arange(0, BLOCK_D)
     m = (qi[:, None] < nq) & (dc[None, :] < D)
     q = tl.load(q_ptr + qi[:, None] * stride_q + dc[None, :], mask=m, other=0.0).to(tl.float32)
@@ -181,6 +185,20 @@ def _load_queries(
         nrm = tl.sqrt(tl.sum(q * q, axis=1))
         q = q / tl.where(nrm > 0, nrm, 1.0)[:, None]
     return q
+
+
+@triton.jit
+def _dot_operand(q, dt: tl.constexpr, BQS: tl.constexpr, SPLIT: tl.constexpr):
+    # q: [BLOCK_Q, BLOCK_D] fp32 -> the dot's query operand [BLOCK_D, BLOCK_Q] in the storage
+    # type dt. SPLIT (q loaded with WRAP=BQS): lanes from BQS on take what rounding left of
+    # their query (its low half, rounded too), so that the scores of a lane and its twin sum
+    # to the fp32 query's within ~2^-22 of |q| |x| (fp16; 2^-16 bf16), where the rounded
+    # query alone errs by up to 2^-11 (2^-8): more than a near-tie of real text
+    hi = q.to(dt)
+    if SPLIT:
+        lo = (q - hi.to(tl.float32)).to(dt)
+        hi = tl.where((tl.arange(0, q.shape[0]) < BQS)[:, None], hi, lo)
+    return tl.trans(hi)
 
 
 @triton.jit
@@ -212,8 +230,10 @@ def _tile_scores(
     METRIC: tl.constexpr,
     PREC: tl.constexpr,
     DOT_F32: tl.constexpr,
+    SPLIT: tl.constexpr = False,
 ):
-    # -> [BQS, BLOCK_N] fp32 scores to maximise, for the first BQS queries
+    # -> [BQS, BLOCK_N] fp32 scores to maximise, for the first BQS queries; SPLIT (the dot's
+    # operand from _dot_operand): each lane's score and its twin's, BQS lanes on, summed
     x = _load_rows(db_ptr, rows, rmask, D, BLOCK_D)
     if USE_DOT:
         if DOT_F32:  # bf16 under TRITON_INTERPRET: its dot multiplies the raw uint16 bits
@@ -224,9 +244,10 @@ def _tile_scores(
             s = tl.trans(acc)
         else:
             # keep the first BQS columns: [BN, BLOCK_Q] -> [BN, BLOCK_Q // BQS, BQS], group 0
+            # (and group 1, the low halves, when SPLIT)
             g = tl.arange(0, BLOCK_Q // BQS)[None, :, None]
             acc3 = tl.reshape(acc, [acc.shape[0], BLOCK_Q // BQS, BQS])
-            s = tl.trans(tl.sum(tl.where(g == 0, acc3, 0.0), axis=1))
+            s = tl.trans(tl.sum(tl.where(g < 1 + SPLIT, acc3, 0.0), axis=1))
     else:
         s = tl.sum(x.to(tl.float32) * qv[None, :], axis=1)[None, :]  # BQS == 1
     if METRIC == 2:
@@ -520,6 +541,7 @@ def _scan_topk_kernel(
     SKIP: tl.constexpr,
     PREC: tl.constexpr,
     DOT_F32: tl.constexpr,
+    SPLIT: tl.constexpr,  # the dot scores the query's low half too (dot_lanes)
     NUM_STAGES: tl.constexpr,
     CTA_OR: tl.constexpr,  # PTX (GPU; not the interpreter): the skip through _cta_any, dp4a
     FUSED: tl.constexpr,  # nq == 1: the last program to finish does merge_topk's work
@@ -561,8 +583,8 @@ def _scan_topk_kernel(
         if FUSED:
             used = tl.maximum(tl.minimum(P, n_tiles), 1)
 
-    q = _load_queries(q_ptr, stride_q, nq, D, BLOCK_D, BLOCK_Q, METRIC)  # [BLOCK_Q, BLOCK_D]
-    qT = tl.trans(q.to(db_ptr.dtype.element_ty))  # [BLOCK_D, BLOCK_Q] (dot operand)
+    q = _load_queries(q_ptr, stride_q, nq, D, BLOCK_D, BLOCK_Q, METRIC, BQS if SPLIT else 0)
+    qT = _dot_operand(q, db_ptr.dtype.element_ty, BQS, SPLIT)  # [BLOCK_D, BLOCK_Q]
     qv = tl.sum(tl.where(tl.arange(0, BLOCK_Q)[:, None] == 0, q, 0.0), axis=0)  # [BLOCK_D]
     if CODES == 4:  # nq == 1: the rotated query's terms, staged by codes4's prep kernel
         q_scale = tl.load(qf_ptr)  # q . mean
@@ -630,6 +652,7 @@ def _scan_topk_kernel(
                 METRIC,
                 PREC,
                 DOT_F32,
+                SPLIT,
             )
         if SCOPED:  # noqa: SIM108 - a constexpr branch: the filter costs nothing when off
             valid = _scope_mask(scope_ptr, filt_ptr, rows, rmask, cap)
@@ -1006,13 +1029,15 @@ def _score_keys_kernel(
     SCOPED: tl.constexpr,
     PREC: tl.constexpr,
     DOT_F32: tl.constexpr,
+    BQS: tl.constexpr,  # the queries a program scores (BLOCK_Q, or half of it when SPLIT)
+    SPLIT: tl.constexpr,
 ):
     # grid: (cdiv(cap, BLOCK_N),) -- covers the capacity, so a captured graph stays valid
     t = tl.program_id(0)
     n = tl.load(n_ptr)
-    q = _load_queries(q_ptr, stride_q, nq, D, BLOCK_D, BLOCK_Q, METRIC)
-    qT = tl.trans(q.to(db_ptr.dtype.element_ty))
-    qs = tl.arange(0, BLOCK_Q)
+    q = _load_queries(q_ptr, stride_q, nq, D, BLOCK_D, BLOCK_Q, METRIC, BQS if SPLIT else 0)
+    qT = _dot_operand(q, db_ptr.dtype.element_ty, BQS, SPLIT)
+    qs = tl.arange(0, BQS)
     rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < n
     s = _tile_scores(
@@ -1025,11 +1050,12 @@ def _score_keys_kernel(
         D,
         BLOCK_D,
         BLOCK_Q,
-        BLOCK_Q,
+        BQS,
         True,
         METRIC,
         PREC,
         DOT_F32,
+        SPLIT,
     )
     if SCOPED:  # noqa: SIM108 - a constexpr branch
         valid = _scope_mask(scope_ptr, filt_ptr, rows, rmask, cap)
@@ -1129,6 +1155,30 @@ def select_lanes(nq: int, cfg: ScanConfig) -> int:
     """BQS: the query lanes a scan of ``nq`` queries selects for (masked past ``nq``), up to
     the dot's width."""
     return min(max(next_pow2(nq), cfg.lanes), block_q(nq)) if nq > 1 else 1
+
+
+# The largest dot operand [BLOCK_D, BLOCK_Q] (elements) that dot_lanes doubles for the split:
+# a batch of 16 at 384 dims (512 x 32); beyond, the operand crowds the tile's registers
+SPLIT_MAX_OPERAND = 16384
+
+
+def dot_lanes(nq: int, bqs: int, dim: int, elem_bytes: int, use_dot: bool) -> tuple[int, bool]:
+    """(BLOCK_Q, SPLIT) of a scan whose dot scores ``bqs`` query lanes. Rows of 16 bits take
+    the query in their type as the dot's operand, which moves a score by up to 2^-11 of
+    |q| |x| (fp16; 2^-8 bf16): enough to order near-ties of real text otherwise than the
+    fp32 query does, as a single query's FMAs score it. SPLIT: the lanes from ``bqs`` on
+    score each query's low half (_dot_operand), so that a batch ranks as its members alone
+    do. Free where the dot's 16 lanes leave room (a batch of up to 8); where the operand
+    must double, only up to SPLIT_MAX_OPERAND (16 queries at 384 dims, 64 at 128): wider
+    batches keep the rounded query."""
+    bq = block_q(nq)
+    if not use_dot or elem_bytes != 2:
+        return bq, False
+    if 2 * bqs <= bq:
+        return bq, True
+    if 2 * bqs * block_d(dim) <= SPLIT_MAX_OPERAND:
+        return 2 * bqs, True
+    return bq, False
 
 
 def key_width(k: int) -> int:
@@ -1451,6 +1501,9 @@ def scan_topk(
     bn = max(cfg.block_n, kp)
     use_dot = cfg.use_dot or nq > 1
     prec = "ieee" if db.dtype.itemsize == 4 else "tf32"
+    bqs = select_lanes(nq, cfg)
+    # the rows' scores through the dot (the codes' bounds take their own operand)
+    bq, split = dot_lanes(nq, bqs, dim, db.dtype.itemsize, use_dot and codes_mode == 0)
     thr, slots, surv = state
     fused = final is not None and nq == 1 and cfg.fused
     if fused:
@@ -1501,8 +1554,8 @@ def scan_topk(
         D=dim,
         BLOCK_D=block_d(dim),
         BLOCK_N=bn,
-        BLOCK_Q=block_q(nq),
-        BQS=select_lanes(nq, cfg),
+        BLOCK_Q=bq,
+        BQS=bqs,
         KP=kp,
         METRIC=metric,
         SCOPED=scoped,
@@ -1510,6 +1563,7 @@ def scan_topk(
         SKIP=cfg.skip and mode != "off",
         PREC=prec,
         DOT_F32=_dot_f32(db),
+        SPLIT=split,
         NUM_STAGES=cfg.num_stages,
         CTA_OR=mode == "ptx",
         FUSED=fused,
@@ -1617,6 +1671,9 @@ def score_keys(
     prec = "ieee" if db.dtype.itemsize == 4 else "tf32"
     bd = block_d(dim)
     bn = max(16, min(block_n, next_pow2(32768 // (bd * db.dtype.itemsize))))
+    bqs = max(1, next_pow2(nq))
+    bq, split = dot_lanes(nq, bqs, dim, db.dtype.itemsize, True)
+    bqs = bqs if split else bq
     launch(
         _score_keys_kernel,
         (triton.cdiv(cap, bn),),
@@ -1633,10 +1690,12 @@ def score_keys(
         D=dim,
         BLOCK_D=bd,
         BLOCK_N=bn,
-        BLOCK_Q=block_q(nq),
+        BLOCK_Q=bq,
         METRIC=metric,
         SCOPED=scoped,
         PREC=prec,
         DOT_F32=_dot_f32(db),
+        BQS=bqs,
+        SPLIT=split,
         num_warps=num_warps,
     )
