@@ -263,6 +263,32 @@ def test_the_dry_warm_up_notes_every_variant_of_the_warm_up_and_runs_none(gpu, r
     assert registry.variants and registry.variants <= planned
 
 
+def test_the_warm_up_times_its_dry_run_compile_and_launches(gpu, registry, monkeypatch):
+    """With the parallel compile (a GPU's default; here its workers stood in for): what it
+    did, with the seconds of the dry run and of the real launches beside the compile's, as
+    the sidecar's log line gives them."""
+    handed: list[int] = []
+
+    def compile_all(found, *, device, workers, stop=None):  # type: ignore[no-untyped-def]
+        handed.append(len(found))
+        return {"variants": len(found), "compiled": len(found), "workers": workers,
+                "seconds": 0.25, "failures": 0, "keys": []}  # fmt: skip
+
+    real_variants = precompile.variants  # of the kernels the recorders stand in for
+
+    def variants(noted):  # type: ignore[no-untyped-def]
+        return real_variants([(rec.kernel, args, kwargs) for rec, args, kwargs in noted])
+
+    monkeypatch.setattr(precompile, "compile_all", compile_all)
+    monkeypatch.setattr(precompile, "variants", variants)
+    index = gpu.index
+    launches = index.warm(precompile=True)
+    done = index.precompiled
+    assert launches > 100 and handed == [done["variants"]] and done["variants"] > 50
+    assert done["dry_s"] > 0 and done["launches_s"] > 0 and done["seconds"] == 0.25
+    assert registry.launches > 0  # the real launches ran after the dry one
+
+
 def test_the_fused_scan_has_one_variant_for_every_grid(gpu, registry):
     # the final selection's step (CHUNK) is one width whatever the program count, so the
     # warm-up's scan variants do not multiply by the classes of program count its capacity

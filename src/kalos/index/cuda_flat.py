@@ -43,6 +43,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -1188,24 +1189,31 @@ class CudaFlatIndex:
         ``precompile`` (default: on a GPU): first a dry run of the same launches, whose
         variants worker processes compile in parallel into the disk cache
         (:mod:`kalos.index.kernels.precompile`); what they did is ``self.precompiled``, with
-        ``unforeseen``: the variants the real launches took that the workers did not compile.
+        ``unforeseen``: the variants the real launches took that the workers did not compile,
+        and the seconds of the dry run (``dry_s``) and of the real launches (``launches_s``:
+        each variant loaded from the cache, or compiled if unforeseen, and run).
         Returns the number of launches (seconds on the H200 from a warm disk cache; a cold
         one compiles each variant once)."""
         if self._on_gpu if precompile is None else precompile:
             from kalos.index.kernels import precompile as pre
 
+            t0 = time.perf_counter()
             with pre.recording() as noted:
                 self._warm_launches(publish, gated, stop, dry=True)
             found = pre.variants(noted)
+            dry_s = time.perf_counter() - t0
             device = self.device.index if self.device.index is not None else 0
             done = pre.compile_all(
                 found, device=device, workers=pre.workers_for(len(found)), stop=stop
             )
             ahead = set(done.pop("keys"))
+            t0 = time.perf_counter()
             with pre.compiles() as taken:
                 launches = self._warm_launches(publish, gated, stop, dry=False)
             unforeseen = sorted({name for key, name in taken if key not in ahead})
             done["unforeseen"] = len(unforeseen)
+            done["dry_s"] = round(dry_s, 2)
+            done["launches_s"] = round(time.perf_counter() - t0, 2)
             if unforeseen:
                 log.warning(
                     "kernel warm-up: %d variants the precompile did not foresee compiled one "

@@ -438,8 +438,11 @@ class Sidecar:
         pre = self.gpu.precompiled
         if pre is not None:
             log.info(
-                "GPU kernels warm in %.1f s (%d variants compiled by %d processes in %.1f s)",
-                self.warm_seconds, pre["compiled"], pre["workers"], pre["seconds"],
+                "GPU kernels warm in %.1f s (a dry run %.1f s, %d variants compiled by %d "
+                "processes in %.1f s, every variant loaded and run %.1f s, the graphs %.1f s)",
+                self.warm_seconds, pre["dry_s"], pre["compiled"], pre["workers"], pre["seconds"],
+                pre["launches_s"],
+                self.warm_seconds - pre["dry_s"] - pre["seconds"] - pre["launches_s"],
             )  # fmt: skip
         else:
             log.info("GPU kernels warm in %.1f s", self.warm_seconds)
