@@ -1170,7 +1170,8 @@ def dot_lanes(nq: int, bqs: int, dim: int, elem_bytes: int, use_dot: bool) -> tu
     score each query's low half (_dot_operand), so that a batch ranks as its members alone
     do. Free where the dot's 16 lanes leave room (a batch of up to 8); where the operand
     must double, only up to SPLIT_MAX_OPERAND (16 queries at 384 dims, 64 at 128): wider
-    batches keep the rounded query."""
+    batches keep the rounded query (from 17 queries a batch of the fast path takes
+    batch_topk's two passes, whose second pass scores with the fp32 query)."""
     bq = block_q(nq)
     if not use_dot or elem_bytes != 2:
         return bq, False
