@@ -53,7 +53,7 @@ def test_clustered_rows_scopes_and_the_fused_scan_beside_it():
     q = (x[rng.integers(0, n, nq)] + 0.2 * rng.standard_normal((nq, dim))).astype(np.float32)
     check_search(idx, x, ids, scopes, q, k, scope=(1, 2, 0))
     two = idx.search(q, k)
-    idx.two_pass_min_batch = 2**30
+    idx.two_pass_min_batch = 0  # never: the fused scan
     idx._workspaces.clear()
     fused = idx.search(q, k)
     # the same rows wherever the fused scan's fp16 query does not reorder them
@@ -92,3 +92,29 @@ def test_a_graph_of_a_batch_replays_the_two_passes():
     g.replay()
     torch.cuda.synchronize()
     np.testing.assert_array_equal(g.ids.cpu().numpy(), idx.search(q, k)[1])
+
+
+@pytest.mark.parametrize(
+    ("dtype", "dim", "batches"),
+    [("fp16", 384, (1, 2, 4, 8, 16, 32)), ("bf16", 384, (4, 16)), ("fp16", 768, (2, 8, 12, 16)),
+     ("fp16", 128, (16, 64))],
+)  # fmt: skip
+def test_a_batch_ranks_by_the_fp32_query_at_full_size(dtype, dim, batches):
+    """Row b is best for the fp32 query, row a once the query is rounded to the rows' type:
+    every batch the sidecar can form (the fused scan up to 16 queries, the two passes from
+    32) and the general path (k = 100) answer b with b's fp32 score, as one search does."""
+    rng = np.random.default_rng(zlib.crc32(repr((dtype, dim)).encode()))
+    n = 1_000_000
+    q, a, b = rounding_flips_the_order(rng, dim)
+    x = (0.01 * rng.standard_normal((n, dim))).astype(np.float32)
+    x[17], x[n - 5] = a, b  # far apart: different tiles and programs
+    ids = np.arange(1, n + 1, dtype=np.int64)
+    idx = make_index("ip", dtype, dim, "cuda")
+    idx.add(x, ids)
+    want = idx.reconstruct(ids[[n - 5]]).astype(np.float64)[0] @ q.astype(np.float64)
+    for nq in batches:
+        for k in (1, 10, 100):
+            scores, got = idx.search(np.tile(q, (nq, 1)), k)
+            assert got[:, 0].tolist() == [n - 4] * nq, (nq, k)
+            rtol = 1e-6 if dtype == "fp16" else 5e-5
+            np.testing.assert_allclose(scores[:, 0], want, rtol=rtol, err_msg=f"{nq} {k}")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from cuda_reference import check_result, check_search, make_index, rounding_flips_the_order
-from kalos.index.kernels import KEY_NONE, batch_topk
+from kalos.index.kernels import KEY_NONE, batch_topk, scan_topk
 
 
 def _index(metric, dtype, dim, x, ids, scopes=None):
@@ -231,6 +231,37 @@ def test_a_batch_ranks_by_the_fp32_query_as_one_search_does(dtype):
         assert got[:, 0].tolist() == [151] * nq, (nq, k)
         # the halves' products: within ~2^-22 of |q| |x| on fp16 rows, ~2^-16 on bf16
         np.testing.assert_allclose(scores[:, 0], want[150], rtol=1e-6 if dtype == "fp16" else 5e-5)
+
+
+def test_a_batch_the_fused_scan_would_round_takes_the_two_passes():
+    """Above 512 dims a batch of 9-16 queries has no room in the fused scan's dot for the
+    query's low half (dot_lanes): it takes the two passes, whose second pass scores the fp32
+    query, and the general path scores it in groups the split fits. Row b is best for the
+    fp32 query and a for the rounded one; every member answers b."""
+    rng = np.random.default_rng(5)
+    dim, n = 768, 200
+    q, a, b = rounding_flips_the_order(rng, dim)
+    x = (0.01 * rng.standard_normal((n, dim))).astype(np.float32)
+    x[0], x[150] = a, b
+    ids = np.arange(1, n + 1, dtype=np.int64)
+    idx = make_index("ip", "fp16", dim, "cpu")
+    idx.add(x, ids)
+    assert [idx._two_pass(nq, 10) for nq in (2, 8, 9, 16)] == [False, False, True, True]
+    assert idx.two_pass_min_batch == batch_topk.MIN_BATCH
+    assert scan_topk.split_batch(768, 2) == 8 and scan_topk.split_batch(384, 2) == 16
+    assert scan_topk.split_batch(128, 2) == 64 and scan_topk.split_batch(768, 4) == 64
+    assert idx._workspace(12, 100, private=True)["chunk"] == 8
+    want = idx.reconstruct(ids[[150]]).astype(np.float64)[0] @ q.astype(np.float64)
+    for nq, k in ((12, 10), (12, 100)):
+        scores, got = idx.search(np.tile(q, (nq, 1)), k)
+        assert got[:, 0].tolist() == [151] * nq, (nq, k)
+        np.testing.assert_allclose(scores[:, 0], want, rtol=1e-6)
+    idx.two_pass_min_batch = 0  # never: the fused scan, with the rounded query
+    assert not idx._two_pass(12, 10)
+    small = make_index("ip", "fp16", 384, "cpu")
+    assert not any(small._two_pass(nq, 10) for nq in (2, 9, 16))  # the split fits there
+    wide = make_index("ip", "fp32", dim, "cpu")
+    assert not wide._two_pass(12, 10)  # fp32 rows: the query is not rounded
 
 
 @pytest.mark.parametrize(("k", "split"), [(1, 1), (10, 4), (16, 16), (10, 64)])

@@ -10,7 +10,9 @@ shape (``CudaFlatIndex.graph``) and a wait for it, timed on the host:
   ``two_pass: false``). The index takes them from ``batch_topk.MIN_BATCH``'s size bucket on
   (``params.default_two_pass_batch``, 32; 0: never);
 - ``fused``: every batch through the fused scan and its per-program top-k lists
-  (``kernels.scan_topk``);
+  (``kernels.scan_topk``; the index's ``two_pass_min_batch`` 0), which scores each query's
+  fp32 value up to 16 queries at 384 dims and 8 above 512, the query rounded to the rows'
+  type beyond;
 - ``cascade`` (a ``scan=4bit`` index: 257 to 1536 dims): every batch of 2 or more through the
   batched 4-bit cascade (``kernels.codes4_batch``: one read of the 4-bit codes bounds every
   query, then each query's open rows are scored exactly), a single query through its own
@@ -184,7 +186,7 @@ def _caller(path: str, index: Any, stored: Any, b: int, k: int) -> tuple[Any, bo
     if path == "torch":
         db16 = stored.T
         return (lambda q: torch.topk(q.to(torch.float16) @ db16, k, dim=1).indices), False, None
-    index.two_pass_min_batch = TWO_PASS_FROM if path == "two-pass" else 2**30
+    index.two_pass_min_batch = TWO_PASS_FROM if path == "two-pass" else 0
     index.batch4_max_batch = 2**30 if path == "cascade" else 0
     stream = torch.cuda.current_stream() if index.device.type == "cuda" else None
     if path == "singles" or (path == "cascade" and b == 1):

@@ -18,7 +18,9 @@ Search (see ``kalos.index.kernels.scan_topk``) is two kernel launches for k <= 2
 k <= 64 (batches): the fused scan + per-program top-k, and a merge of the candidates. Batches
 from ``two_pass_min_batch``'s size bucket on (32 queries by default) take two passes instead
 (``kalos.index.kernels.batch_topk``): each tile's best score per query, then per query the
-tiles that can hold its top-k, scored again. On a ``scan=4bit`` index, batches up to the
+tiles that can hold its top-k, scored again; so does a smaller batch whose fp32 query the
+fused scan's dot has no room for (9-16 queries above 512 dims): every member of a batch ranks
+by its fp32 query, as a single search does. On a ``scan=4bit`` index, batches up to the
 spec's ``batch4=N`` (off by default) take the batched 4-bit cascade instead
 (``kalos.index.kernels.codes4_batch``: one read of the 4-bit codes bounds every query). Larger
 k takes a slower general path: every row's key, then ``torch.topk``.
@@ -756,9 +758,14 @@ class CudaFlatIndex:
     def _two_pass(self, nq: int, k: int) -> bool:
         """Whether a batch of ``nq`` takes kernels.batch_topk's two passes: from a size bucket
         (the next power of two, as the kernels' variants go) of ``two_pass_min_batch`` on
-        (the default: ``batch_topk.MIN_BATCH``, 32; 0: never)."""
-        bucket = self._k.next_pow2(nq)
-        return nq > 1 and 0 < self.two_pass_min_batch <= bucket and self._fast(nq, k)
+        (the default: ``batch_topk.MIN_BATCH``, 32; 0: never), and below it a batch whose
+        query the fused scan would round to the rows' type (kernels.scan_topk.dot_lanes: 9 to
+        16 queries above 512 dims), since the second pass scores the fp32 query."""
+        if nq < 2 or self.two_pass_min_batch <= 0 or not self._fast(nq, k):
+            return False
+        if self.two_pass_min_batch <= self._k.next_pow2(nq):
+            return True
+        return not self._k.ranks_by_fp32(nq, self._config(nq, k), self.dim, self._elem)
 
     def _batch4(self, nq: int, k: int) -> bool:
         """Whether a batch of ``nq`` takes the batched 4-bit cascade (kernels.codes4_batch):
@@ -871,7 +878,11 @@ class CudaFlatIndex:
         ws["replicas"] = reps
         ws["ticket"] = torch.zeros(1, dtype=torch.int32, device=dev)  # the fused scan's
         if "cfg" not in ws:
-            qc = max(1, min(nq, _GENERAL_PATH_BYTES // (8 * self._cap)))
+            # the keys' memory, and the queries score_keys scores by their fp32 query at once
+            qc = min(
+                nq, _GENERAL_PATH_BYTES // (8 * self._cap), kern.split_batch(self.dim, self._elem)
+            )
+            qc = max(1, qc)
             kk = min(k, self._cap)
             ws.update(chunk=qc, kk=kk)
             ws["keys"] = self._shared("keys", (qc, self._cap), torch.int64)

@@ -1169,9 +1169,10 @@ def dot_lanes(nq: int, bqs: int, dim: int, elem_bytes: int, use_dot: bool) -> tu
     fp32 query does, as a single query's FMAs score it. SPLIT: the lanes from ``bqs`` on
     score each query's low half (_dot_operand), so that a batch ranks as its members alone
     do. Free where the dot's 16 lanes leave room (a batch of up to 8); where the operand
-    must double, only up to SPLIT_MAX_OPERAND (16 queries at 384 dims, 64 at 128): wider
-    batches keep the rounded query (from 17 queries a batch of the fast path takes
-    batch_topk's two passes, whose second pass scores with the fp32 query)."""
+    must double, only up to SPLIT_MAX_OPERAND (16 queries at 384 dims, 64 at 128). Wider
+    batches would score the rounded query, so none reaches this scan (ranks_by_fp32): they
+    take batch_topk's two passes, whose second pass scores the fp32 query, and score_keys
+    scores them in groups of split_batch."""
     bq = block_q(nq)
     if not use_dot or elem_bytes != 2:
         return bq, False
@@ -1180,6 +1181,26 @@ def dot_lanes(nq: int, bqs: int, dim: int, elem_bytes: int, use_dot: bool) -> tu
     if 2 * bqs * block_d(dim) <= SPLIT_MAX_OPERAND:
         return 2 * bqs, True
     return bq, False
+
+
+def ranks_by_fp32(nq: int, cfg, dim: int, elem_bytes: int) -> bool:
+    """Whether the fused scan of a batch of ``nq`` under ``cfg`` scores each member by its
+    fp32 query: rows of 32 bits, a single query (FMAs), or a batch whose dot takes the
+    query's low half (dot_lanes)."""
+    if elem_bytes != 2 or nq == 1:
+        return True
+    return dot_lanes(nq, select_lanes(nq, cfg), dim, elem_bytes, True)[1]
+
+
+def split_batch(dim: int, elem_bytes: int) -> int:
+    """The most queries one launch of score_keys (the general path) scores by their fp32
+    queries: a power of two, all of them on rows of 32 bits."""
+    if elem_bytes != 2:
+        return MAX_BATCH
+    nq = 1
+    while nq < MAX_BATCH and dot_lanes(2 * nq, 2 * nq, dim, elem_bytes, True)[1]:
+        nq *= 2
+    return nq
 
 
 def key_width(k: int) -> int:
