@@ -75,7 +75,8 @@ def _launches() -> list[tuple]:
                      wide._workspace(1, 64))  # fmt: skip
         # batches through the tensor cores, the query's low half in lanes of their own
         # (dot_lanes): 4 queries at 384 dims (spare lanes) and 16 (the operand doubled); 16 at
-        # 768 and 1536 dims (not split); and the general path (k above the fused scan's)
+        # 768 and 1536 dims (not split: two_pass_min_batch 0 only); and the general path (k
+        # above the fused scan's)
         for dim, nq in ((384, 4), (384, 16), (768, 16), (1536, 16)):
             bat = _index(dim, "full")
             bat.two_pass_min_batch = 0
@@ -88,6 +89,15 @@ def _launches() -> list[tuple]:
         gen = _index(384, "full")
         gen._launch(torch.zeros((4, 384)), 100, gen._no_filter, False, *out100,
                     gen._workspace(4, 100))  # fmt: skip
+        # by default a batch of 16 at 768 dims takes the two passes (its fused scan would
+        # round the query), and the general path scores 32 queries at 384 dims 16 at a time
+        two = _index(768, "full")
+        out16 = torch.empty((16, k)), torch.empty((16, k), dtype=torch.int64)
+        two._launch(torch.zeros((16, 768)), k, two._no_filter, False, *out16,
+                    two._workspace(16, k))  # fmt: skip
+        out32 = torch.empty((32, 100)), torch.empty((32, 100), dtype=torch.int64)
+        gen._launch(torch.zeros((32, 384)), 100, gen._no_filter, False, *out32,
+                    gen._workspace(32, 100))  # fmt: skip
         pre = _index(128, "int8")
         ws = pre._workspace(1, k, private=True, prefilter=True)
         status = torch.zeros(1, dtype=torch.int32)
