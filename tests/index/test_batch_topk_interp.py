@@ -189,20 +189,31 @@ def test_workspace_too_small_is_refused():
         batch_topk.search(*args, ws["tmax"], ws["lists"], ws["parts"], *out, **kw, split=3)
 
 
+def _flipped(dtype, dim, seed, two_pass_min_batch):
+    """(index, q): 300 small rows, of which row a (id 1) scores best for the query rounded to
+    fp16 and row b (id 151, another tile) for the fp32 query q."""
+    rng = np.random.default_rng(seed)
+    q, a, b = rounding_flips_the_order(rng, dim)
+    x = (0.01 * rng.standard_normal((300, dim))).astype(np.float32)
+    x[0], x[150] = a, b
+    idx = make_index("ip", dtype, dim, "cpu")
+    idx.two_pass_min_batch = two_pass_min_batch
+    idx.add(x, np.arange(1, 301, dtype=np.int64))
+    return idx, q
+
+
+def _fp32_score(idx, q, row_id):
+    stored = idx.reconstruct(np.array([row_id], dtype=np.int64)).astype(np.float64)[0]
+    return stored @ q.astype(np.float64)
+
+
 def test_slack_keeps_a_tile_the_rounded_query_ranks_below():
     """Row b scores best for the query, but below row a (in another tile) once the query is
     rounded to fp16 as the first pass's dot takes it: the slack keeps b's tile, and the batch
     answers b, the float64 reference's best."""
-    rng = np.random.default_rng(21)
-    dim, n = 64, 300
-    q, a, b = rounding_flips_the_order(rng, dim)
-    x = (0.01 * rng.standard_normal((n, dim))).astype(np.float32)
-    x[0], x[150] = a, b  # different tiles
-    ids = np.arange(1, n + 1, dtype=np.int64)
-    idx = _index("ip", "fp16", dim, x, ids)
-    batch = np.tile(q, (4, 1))
-    _, got = idx.search(batch, 1)
-    assert int(np.argmax(x.astype(np.float64) @ q.astype(np.float64))) == 150
+    idx, q = _flipped("fp16", 64, 21, 2)
+    _, got = idx.search(np.tile(q, (4, 1)), 1)
+    assert _fp32_score(idx, q, 151) > _fp32_score(idx, q, 1)
     assert got[:, 0].tolist() == [151] * 4
 
 
@@ -213,24 +224,15 @@ def test_a_batch_ranks_by_the_fp32_query_as_one_search_does(dtype):
     scan's) score with tensor-core dots, whose operands take the storage type: each scores
     the query's two halves (the rounded query and what the rounding left), so every member
     answers b with b's fp32 score, as the search alone does."""
-    rng = np.random.default_rng(21)
-    dim, n = 64, 300
-    q, a, b = rounding_flips_the_order(rng, dim)
-    x = (0.01 * rng.standard_normal((n, dim))).astype(np.float32)
-    x[0], x[150] = a, b
-    ids = np.arange(1, n + 1, dtype=np.int64)
-    idx = make_index("ip", dtype, dim, "cpu")
-    idx.two_pass_min_batch = 0  # the fused scan for every batch
-    idx.add(x, ids)
-    stored = idx.reconstruct(ids).astype(np.float64)
-    want = stored @ q.astype(np.float64)
-    assert int(np.argmax(want)) == 150
+    idx, q = _flipped(dtype, 64, 21, 0)  # two_pass_min_batch 0: the fused scan for every batch
+    want = _fp32_score(idx, q, 151)
+    assert want > _fp32_score(idx, q, 1)
     for nq, k in ((1, 1), (4, 1), (4, 3), (4, 100), (1, 300)):
         assert idx._fast(nq, k) == (k <= 3)  # k 100 in a batch and 300: the general path
         scores, got = idx.search(np.tile(q, (nq, 1)), k)
         assert got[:, 0].tolist() == [151] * nq, (nq, k)
         # the halves' products: within ~2^-22 of |q| |x| on fp16 rows, ~2^-16 on bf16
-        np.testing.assert_allclose(scores[:, 0], want[150], rtol=1e-6 if dtype == "fp16" else 5e-5)
+        np.testing.assert_allclose(scores[:, 0], want, rtol=1e-6 if dtype == "fp16" else 5e-5)
 
 
 def test_a_batch_the_fused_scan_would_round_takes_the_two_passes():
@@ -238,20 +240,12 @@ def test_a_batch_the_fused_scan_would_round_takes_the_two_passes():
     query's low half (dot_lanes): it takes the two passes, whose second pass scores the fp32
     query, and the general path scores it in groups the split fits. Row b is best for the
     fp32 query and a for the rounded one; every member answers b."""
-    rng = np.random.default_rng(5)
-    dim, n = 768, 200
-    q, a, b = rounding_flips_the_order(rng, dim)
-    x = (0.01 * rng.standard_normal((n, dim))).astype(np.float32)
-    x[0], x[150] = a, b
-    ids = np.arange(1, n + 1, dtype=np.int64)
-    idx = make_index("ip", "fp16", dim, "cpu")
-    idx.add(x, ids)
+    idx, q = _flipped("fp16", 768, 5, batch_topk.MIN_BATCH)
     assert [idx._two_pass(nq, 10) for nq in (2, 8, 9, 16)] == [False, False, True, True]
-    assert idx.two_pass_min_batch == batch_topk.MIN_BATCH
     assert scan_topk.split_batch(768, 2) == 8 and scan_topk.split_batch(384, 2) == 16
     assert scan_topk.split_batch(128, 2) == 64 and scan_topk.split_batch(768, 4) == 64
     assert idx._workspace(12, 100, private=True)["chunk"] == 8
-    want = idx.reconstruct(ids[[150]]).astype(np.float64)[0] @ q.astype(np.float64)
+    want = _fp32_score(idx, q, 151)
     for nq, k in ((12, 10), (12, 100)):
         scores, got = idx.search(np.tile(q, (nq, 1)), k)
         assert got[:, 0].tolist() == [151] * nq, (nq, k)
@@ -260,7 +254,7 @@ def test_a_batch_the_fused_scan_would_round_takes_the_two_passes():
     assert not idx._two_pass(12, 10)
     small = make_index("ip", "fp16", 384, "cpu")
     assert not any(small._two_pass(nq, 10) for nq in (2, 9, 16))  # the split fits there
-    wide = make_index("ip", "fp32", dim, "cpu")
+    wide = make_index("ip", "fp32", 768, "cpu")
     assert not wide._two_pass(12, 10)  # fp32 rows: the query is not rounded
 
 
