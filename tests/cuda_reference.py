@@ -174,19 +174,27 @@ def check_result(idx, x, ids, scopes, q, k, s, got, scope=None):
             assert ok.all(), "returned an item outside the top-k (beyond ties)"
 
 
-def rounding_flips_the_order(rng, dim):
-    """(q, a, b): fp16-exact rows a and b, b the better one for the fp32 query q by 1e-3 or
-    more, and the worse one by as much for q rounded to fp16 (a batch's tensor-core dot)."""
+def round_to(x, dtype):
+    """x (any float array) rounded to the storage type, as float64."""
+    if dtype == "bf16":
+        return torch.from_numpy(np.asarray(x, np.float32)).to(torch.bfloat16).double().numpy()
+    return np.asarray(x).astype(np.float16).astype(np.float64)
+
+
+def rounding_flips_the_order(rng, dim, dtype="fp16"):
+    """(q, a, b): rows a and b exact in the storage type (fp16 or bf16), b the better one for
+    the fp32 query q by 1e-3 or more, and the worse one by as much for q rounded to that type
+    (a batch's tensor-core dot takes its operands so)."""
     q = rng.standard_normal(dim).astype(np.float32)
-    q64, q16 = q.astype(np.float64), q.astype(np.float16).astype(np.float64)
-    d = q64 - q16
-    perp = d - (d @ q16) / (q16 @ q16) * q16
+    q64, qr = q.astype(np.float64), round_to(q, dtype)
+    d = q64 - qr
+    perp = d - (d @ qr) / (qr @ qr) * qr
     perp /= np.linalg.norm(perp)
-    a = (q64 + rng.standard_normal(dim)).astype(np.float16).astype(np.float64)  # q . a > 0
+    a = round_to(q64 + rng.standard_normal(dim), dtype)  # q . a > 0
     for _ in range(100_000):
-        shift = rng.uniform(0.5, 4) * perp + rng.uniform(-0.01, 0.01) * q16 / np.linalg.norm(q16)
-        b = (a + shift).astype(np.float16).astype(np.float64)
-        if (b - a) @ q64 > 1e-3 and (b - a) @ q16 < -1e-3:
+        shift = rng.uniform(0.5, 4) * perp + rng.uniform(-0.01, 0.01) * qr / np.linalg.norm(qr)
+        b = round_to(a + shift, dtype)
+        if (b - a) @ q64 > 1e-3 and (b - a) @ qr < -1e-3:
             return q, a.astype(np.float32), b.astype(np.float32)
     raise AssertionError("no such pair")
 

@@ -16,7 +16,7 @@ import zlib
 import numpy as np
 import pytest
 
-from cuda_reference import check_search, make_index, rounding_flips_the_order
+from cuda_reference import check_search, make_index, round_to, rounding_flips_the_order
 
 pytestmark = pytest.mark.gpu
 
@@ -105,16 +105,19 @@ def test_a_batch_ranks_by_the_fp32_query_at_full_size(dtype, dim, batches):
     32) and the general path (k = 100) answer b with b's fp32 score, as one search does."""
     rng = np.random.default_rng(zlib.crc32(repr((dtype, dim)).encode()))
     n = 1_000_000
-    q, a, b = rounding_flips_the_order(rng, dim)
+    q, a, b = rounding_flips_the_order(rng, dim, dtype)
     x = (0.01 * rng.standard_normal((n, dim))).astype(np.float32)
     x[17], x[n - 5] = a, b  # far apart: different tiles and programs
     ids = np.arange(1, n + 1, dtype=np.int64)
     idx = make_index("ip", dtype, dim, "cuda")
     idx.add(x, ids)
-    want = idx.reconstruct(ids[[n - 5]]).astype(np.float64)[0] @ q.astype(np.float64)
+    want = b.astype(np.float64) @ q.astype(np.float64)
+    # fp32 sums in any order and the split's halves stay within rtol of b's fp32 score; the
+    # rounded query's score of b lies beyond twice that
+    rtol = 1e-5 if dtype == "fp16" else 2e-5
+    assert abs(b.astype(np.float64) @ round_to(q, dtype) - want) > 2 * rtol * want
     for nq in batches:
         for k in (1, 10, 100):
             scores, got = idx.search(np.tile(q, (nq, 1)), k)
             assert got[:, 0].tolist() == [n - 4] * nq, (nq, k)
-            rtol = 1e-6 if dtype == "fp16" else 5e-5
             np.testing.assert_allclose(scores[:, 0], want, rtol=rtol, err_msg=f"{nq} {k}")

@@ -191,9 +191,9 @@ def test_workspace_too_small_is_refused():
 
 def _flipped(dtype, dim, seed, two_pass_min_batch):
     """(index, q): 300 small rows, of which row a (id 1) scores best for the query rounded to
-    fp16 and row b (id 151, another tile) for the fp32 query q."""
+    the rows' type and row b (id 151, another tile) for the fp32 query q."""
     rng = np.random.default_rng(seed)
-    q, a, b = rounding_flips_the_order(rng, dim)
+    q, a, b = rounding_flips_the_order(rng, dim, dtype)
     x = (0.01 * rng.standard_normal((300, dim))).astype(np.float32)
     x[0], x[150] = a, b
     idx = make_index("ip", dtype, dim, "cpu")
