@@ -878,11 +878,12 @@ class CudaFlatIndex:
         ws["replicas"] = reps
         ws["ticket"] = torch.zeros(1, dtype=torch.int32, device=dev)  # the fused scan's
         if "cfg" not in ws:
-            # the keys' memory, and the queries score_keys scores by their fp32 query at once
-            qc = min(
-                nq, _GENERAL_PATH_BYTES // (8 * self._cap), kern.split_batch(self.dim, self._elem)
+            # queries a launch: within the keys' memory, and as many as score_keys scores by
+            # their fp32 query at once
+            most = min(
+                _GENERAL_PATH_BYTES // (8 * self._cap), kern.split_batch(self.dim, self._elem)
             )
-            qc = max(1, qc)
+            qc = max(1, min(nq, most))
             kk = min(k, self._cap)
             ws.update(chunk=qc, kk=kk)
             ws["keys"] = self._shared("keys", (qc, self._cap), torch.int64)

@@ -1183,7 +1183,7 @@ def dot_lanes(nq: int, bqs: int, dim: int, elem_bytes: int, use_dot: bool) -> tu
     return bq, False
 
 
-def ranks_by_fp32(nq: int, cfg, dim: int, elem_bytes: int) -> bool:
+def ranks_by_fp32(nq: int, cfg: ScanConfig, dim: int, elem_bytes: int) -> bool:
     """Whether the fused scan of a batch of ``nq`` under ``cfg`` scores each member by its
     fp32 query: rows of 32 bits, a single query (FMAs), or a batch whose dot takes the
     query's low half (dot_lanes)."""
