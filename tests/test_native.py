@@ -402,9 +402,10 @@ def test_ping_pong_between_processes(spin_ns: int) -> None:
     assert mismatches == 0
     assert exitcode == 0, f"child exit {exitcode}: 3 = request not woken, 4 = payload mismatch"
     if spin_ns == 0:
-        # The child parks as soon as it has answered, so most requests must have found it
-        # parked: proves that this run went through the futex path.
-        assert woken > ROUND_TRIPS // 2
+        # The child parks as soon as it has answered, so many requests find it parked: proves
+        # that this run went through the futex path. How many depends on the scheduler (about
+        # half on a busy 2-core machine, most on an idle one), so the bar is a twentieth.
+        assert woken > ROUND_TRIPS // 20
 
 
 RACES = 100_000
