@@ -318,6 +318,23 @@ def test_deadlines_of_sent_and_queued_calls(sidecar: Callable[..., RunningSideca
     asyncio.run(main())
 
 
+def test_a_timeout_that_is_none_is_refused_at_the_await(
+    sidecar: Callable[..., RunningSidecar],
+) -> None:
+    running = sidecar(dim=DIM)
+
+    async def main() -> None:
+        async with connect(running) as c:
+            for bad in (-1, float("nan"), float("inf")):
+                with pytest.raises(InvalidRequest, match="timeout must be"):
+                    await c.ping(timeout=bad)
+            with pytest.raises(RequestTimeout):  # no time at all
+                await c.ping(timeout=0)
+            await c.ping(timeout=1.0)
+
+    asyncio.run(main())
+
+
 def test_killed_sidecar_degrades_raises_then_reconnects(tmp_path: Path) -> None:
     runtime_dir = str(tmp_path / "run")
     q = np.ones(DIM, np.float32)

@@ -187,6 +187,73 @@ def test_k_out_of_range_in_the_client(served: Served, k: int) -> None:
     assert_serving(served)
 
 
+@pytest.mark.parametrize("k", [True, 2.0, "3"], ids=["bool", "float", "str"])
+def test_k_that_is_no_integer(served: Served, k: object) -> None:
+    with pytest.raises(InvalidRequest, match="k must be an integer"):
+        served.one.search(np.ones(DIM), k=k)  # type: ignore[arg-type]
+    assert_serving(served)
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [
+        np.array([3.5]),  # a float is not truncated to 3
+        np.array([3.0]),
+        [7.0],
+        [True],
+        np.array([2**63], np.uint64),  # would wrap to -2**63
+        np.array([2**64 - 1], np.uint64),  # would wrap to -1
+        [2**63],
+        [1, 2**64],  # numpy makes this list's ints objects
+        [1, 2**63],  # ... and this one's floats
+        ["a string id", 2**63],
+    ],
+    ids=[
+        "float",
+        "integral-float",
+        "float-list",
+        "bool",
+        "uint64-2^63",
+        "uint64-max",
+        "int-2^63",
+        "int-2^64",
+        "int-mixed",
+        "str-and-int-2^63",
+    ],
+)
+def test_ids_that_are_no_int64_are_refused_not_cast(served: Served, ids: object) -> None:
+    with pytest.raises(InvalidRequest, match="an id must be a str or an integer in int64"):
+        served.one.add(np.ones((np.size(ids), DIM)), ids)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match="an id must be"):
+        served.one.remove(ids)  # type: ignore[arg-type]
+    assert served.one.stats()["items"] == DIM  # nothing was added
+    assert_serving(served)
+
+
+def test_ids_at_int64s_bounds_and_unsigned_ones_that_fit(served: Served) -> None:
+    ids = np.array([2**63 - 1, -(2**63)], np.int64)
+    assert served.one.add(np.ones((2, DIM)), [2**63 - 1, -(2**63)]) == 2
+    assert served.one.add(np.ones((1, DIM)), np.array([2**62], np.uint64)) == 1
+    assert served.one.remove(ids) == 2
+    assert served.one.remove(np.array([2**62], np.uint64)) == 1
+    with pytest.raises(InvalidRequest, match="one-dimensional"):
+        served.one.add(np.ones((2, DIM)), np.array([[1, 2]]))
+    assert_serving(served)
+
+
+@pytest.mark.parametrize("timeout", [-1, -0.001, float("nan"), float("inf"), 1e10])
+def test_a_timeout_that_is_none_is_invalid_not_a_timeout(served: Served, timeout: float) -> None:
+    with pytest.raises(InvalidRequest, match="timeout must be a number of seconds"):
+        served.one.ping(timeout=timeout)
+    with pytest.raises(InvalidRequest, match="timeout must be"):
+        served.one.search(np.ones(DIM), k=1, timeout=timeout)
+    with pytest.raises(ConfigError, match="timeout must be a positive number"):
+        served.connect(timeout=timeout)
+    with pytest.raises(RequestTimeout, match="before its request was sent"):
+        served.one.ping(timeout=0)  # no time at all: the deadline has passed
+    assert_serving(served)
+
+
 @pytest.mark.parametrize("k", [0, MAX_K + 1, 2**32 - 1])
 def test_k_out_of_range_in_the_sidecar(served: Served, k: int) -> None:
     status, message = send_raw(served.one, Op.SEARCH, raw_search(np.ones((1, DIM), np.float32), k))

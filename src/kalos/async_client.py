@@ -33,7 +33,7 @@ import numpy as np
 
 from kalos.client import Client, Timings
 from kalos.errors import ClosedError, ConfigError, ConnectError
-from kalos.options import ClientOptions, ClientOptionsArgs
+from kalos.options import ClientOptions, ClientOptionsArgs, timeout_error
 from kalos.transport import Transport
 
 if TYPE_CHECKING:
@@ -386,6 +386,9 @@ class AsyncClient:
         if self._closed:
             raise ClosedError("this client is closed")
         timeout = kwargs.pop("timeout", None)
+        bad = timeout_error(timeout)
+        if bad is not None:
+            raise bad
         timeout = self.timeout if timeout is None else timeout
         loop = asyncio.get_running_loop()
         future = loop.create_future()

@@ -35,7 +35,7 @@ from kalos.errors import (
     SidecarGone,
 )
 from kalos.filters import check_metadata, key_id
-from kalos.options import ClientOptions, ClientOptionsArgs
+from kalos.options import MAX_TIMEOUT_S, ClientOptions, ClientOptionsArgs, timeout_error
 from kalos.protocol import codes
 from kalos.protocol import messages as M
 from kalos.protocol.codes import Op, error_for_status
@@ -300,8 +300,8 @@ class Client:
         if t is not None:
             self._forget(t, self._local.lent)
         budget = self.timeout if timeout is None else timeout
-        if budget <= 0:  # e.g. an AsyncClient call that waited out its deadline for a channel
-            raise RequestTimeout("the call's deadline passed before a channel was opened")
+        if not 0 < budget <= MAX_TIMEOUT_S:  # e.g. an AsyncClient call that waited out its
+            raise _late(timeout)  # deadline for a channel, or a timeout that is none
         new, lent = self._open(budget)
         self._local.transport = new
         self._local.lent = lent
@@ -380,8 +380,8 @@ class Client:
     def _call(self, t: Transport, op: int, flags: int, n: int, timeout: float | None, start: int):
         # The deadline counts from the call's start: a reconnect before it used part of it.
         left = (self.timeout if timeout is None else timeout) - (_monotonic_ns() - start) * 1e-9
-        if left <= 0:
-            raise RequestTimeout("the call's deadline passed while connecting to the sidecar")
+        if not 0 < left <= MAX_TIMEOUT_S:  # (not: a NaN too)
+            raise _late(timeout)
         resp = t.request(op, flags, n, timeout=left)
         end = _monotonic_ns()
         local = self._local
@@ -1274,17 +1274,59 @@ def item_ids(
     ids: np.ndarray | Sequence[int | str] | int | str,
 ) -> tuple[np.ndarray, list[str | None] | None]:
     """ids [n] int64 and, when any is a str, each one's string id (None for an int): a
-    string id maps onto :func:`kalos.key_id`."""
+    string id maps onto :func:`kalos.key_id`. InvalidRequest for an id that is neither a
+    str nor an integer in int64's range (a float, a bool, an unsigned id above 2**63 - 1):
+    never a silent cast."""
     if isinstance(ids, str):
         ids = [ids]
     if isinstance(ids, (np.ndarray, int, np.integer)):
-        return np.atleast_1d(np.asarray(ids, dtype=np.int64)), None
+        return _int64_ids(ids), None
     items = list(ids)
     if not any(isinstance(i, str) for i in items):
-        return np.atleast_1d(np.asarray(items, dtype=np.int64)), None
+        return _int64_ids(items), None
     keys: list[str | None] = [i if isinstance(i, str) else None for i in items]
-    arr = np.array([key_id(i) if isinstance(i, str) else int(i) for i in items], np.int64)
+    arr = _int64_ids([key_id(i) if isinstance(i, str) else i for i in items])
     return arr, keys
+
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _late(timeout: object) -> InvalidRequest | RequestTimeout:
+    """The error of a call with no time left: its ``timeout`` is none (InvalidRequest, see
+    kalos.options.timeout_error), or its deadline passed before its request was sent."""
+    return timeout_error(timeout) or RequestTimeout(
+        "the call's deadline passed before its request was sent"
+    )
+
+
+def _int64_ids(ids: object) -> np.ndarray:
+    """Integer ids as int64 [n], checked (see :func:`item_ids`)."""
+    try:
+        arr = np.atleast_1d(np.asarray(ids))
+    except (OverflowError, ValueError):  # e.g. a list of ragged or huge items
+        arr = np.atleast_1d(np.asarray(ids, dtype=object))
+    if arr.ndim != 1:
+        raise InvalidRequest(f"ids must be one-dimensional; got shape {arr.shape}")
+    kind = arr.dtype.kind
+    if kind == "i" or (kind == "u" and (not arr.size or int(arr.max()) <= _INT64_MAX)):
+        return arr.astype(np.int64, copy=False)
+    if not arr.size:  # np.asarray([]) is float64
+        return np.empty(0, np.int64)
+    # the items as given (numpy may have made a list's ints floats), for the message
+    items = ids if isinstance(ids, list) else arr.ravel().tolist()
+    for i in items:
+        if not _is_int64(i):
+            raise InvalidRequest(f"an id must be a str or an integer in int64's range; got {i!r}")
+    return np.array(items, np.int64)  # (Python ints that numpy held as objects)
+
+
+def _is_int64(i: object) -> bool:
+    return (
+        isinstance(i, (int, np.integer))
+        and not isinstance(i, (bool, np.bool_))
+        and _INT64_MIN <= int(i) <= _INT64_MAX
+    )
 
 
 def _meta_json(

@@ -9,14 +9,31 @@ override its fields.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Mapping
 from typing import Any, TypedDict
 
-from kalos.errors import ConfigError
+from kalos.errors import ConfigError, InvalidRequest
 from kalos.protocol import layout as L
 from kalos.transport.tls import Tls
 
 ON_UNAVAILABLE = ("raise", "degrade")
+# The longest deadline a call may have (~31.7 years): its monotonic ns fit the protocol's u64.
+MAX_TIMEOUT_S = 1e9
+
+
+def timeout_error(timeout: object) -> InvalidRequest | None:
+    """What is wrong with a call's ``timeout`` (seconds; None: the client's default): an
+    InvalidRequest unless it is a number from 0 to :data:`MAX_TIMEOUT_S` (0: the deadline
+    has passed already, a RequestTimeout of the call's own), else None."""
+    if timeout is None or (
+        isinstance(timeout, numbers.Real) and 0 <= float(timeout) <= MAX_TIMEOUT_S
+    ):
+        return None
+    return InvalidRequest(
+        f"timeout must be a number of seconds from 0 to {MAX_TIMEOUT_S:g}, or None for the "
+        f"client's default; got {timeout!r}"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +83,8 @@ class ClientOptions:
     instead of sending a request, whenever the index can answer for certain; the sidecar
     answers otherwise (kalos.stores.session_index). False: every call asks the sidecar.
 
-    Raises ConfigError for an unknown ``on_unavailable``.
+    Raises ConfigError for an unknown ``on_unavailable`` or a ``timeout`` that is not a
+    positive number of seconds (up to :data:`MAX_TIMEOUT_S`).
     """
 
     transport: str = "shm"
@@ -81,6 +99,11 @@ class ClientOptions:
     local_reads: bool = True
 
     def __post_init__(self) -> None:
+        if timeout_error(self.timeout) is not None or not self.timeout:
+            raise ConfigError(
+                f"timeout must be a positive number of seconds up to {MAX_TIMEOUT_S:g}, "
+                f"not {self.timeout!r}"
+            )
         if self.on_unavailable not in ON_UNAVAILABLE:
             raise ConfigError(
                 f"on_unavailable must be 'raise' or 'degrade', not {self.on_unavailable!r}"
@@ -118,4 +141,4 @@ class ClientOptionsArgs(TypedDict, total=False):
     local_reads: bool
 
 
-__all__ = ["ClientOptions", "ClientOptionsArgs"]
+__all__ = ["MAX_TIMEOUT_S", "ClientOptions", "ClientOptionsArgs", "timeout_error"]
