@@ -241,6 +241,29 @@ def test_ids_at_int64s_bounds_and_unsigned_ones_that_fit(served: Served) -> None
     assert_serving(served)
 
 
+def test_counts_that_are_no_integers_are_refused(served: Served) -> None:
+    one = served.one
+    one.append_turn("s", "user", "hello", tokens=[1, 2])
+    version = one.put("key", "v")
+    calls = [
+        ("max_tokens", lambda: one.context("s", 10.5)),  # type: ignore[arg-type]
+        ("max_turns", lambda: one.context("s", 10, 2.0)),  # type: ignore[arg-type]
+        ("max_tokens", lambda: one.recall("s", np.ones(DIM), max_tokens=True)),
+        ("memory_tokens", lambda: one.recall("s", np.ones(DIM), max_tokens=9, memory_tokens=1.0)),  # type: ignore[arg-type]
+        ("keep_turns", lambda: one.trim("s", 1.5)),  # type: ignore[arg-type]
+        ("expected_version", lambda: one.cas("key", float(version), "w")),  # type: ignore[arg-type]
+        ("expected_version", lambda: one.cas("key", True, "w")),
+        ("since", lambda: one.events("s", 1.5)),  # type: ignore[arg-type]
+        ("limit", lambda: one.events("s", limit=2.0)),  # type: ignore[arg-type]
+    ]
+    for name, call in calls:
+        with pytest.raises(InvalidRequest, match=f"{name} must be an integer"):
+            call()
+    assert one.context("s", 10).tokens.tolist() == [1, 2]  # nothing changed
+    assert one.get("key") == (version, b"v")
+    assert_serving(served)
+
+
 @pytest.mark.parametrize("timeout", [-1, -0.001, float("nan"), float("inf"), 1e10])
 def test_a_timeout_that_is_none_is_invalid_not_a_timeout(served: Served, timeout: float) -> None:
     with pytest.raises(InvalidRequest, match="timeout must be a number of seconds"):

@@ -751,12 +751,14 @@ class Client:
         start = _monotonic_ns()
         if type(session) is not str or not session:
             raise InvalidRequest("a session id must be a non-empty str")
-        if not 0 <= max_tokens < _NO_LIMIT:
-            raise InvalidRequest(f"max_tokens must be between 0 and {_NO_LIMIT - 1}")
+        if not _is_count(max_tokens, _NO_LIMIT):
+            raise InvalidRequest(f"max_tokens must be an integer between 0 and {_NO_LIMIT - 1}")
         if max_turns is None:
             max_turns = _NO_LIMIT
-        elif not 0 <= max_turns < _NO_LIMIT:
-            raise InvalidRequest(f"max_turns must be between 0 and {_NO_LIMIT - 1}, or None")
+        elif not _is_count(max_turns, _NO_LIMIT):
+            raise InvalidRequest(
+                f"max_turns must be an integer between 0 and {_NO_LIMIT - 1}, or None"
+            )
         sb = _EMPTY_SCOPE if scope is None else scope_bytes(scope)
         name = session.encode()
         try:
@@ -963,8 +965,8 @@ class Client:
         returns how many were dropped. NotFound for an unknown or expired session."""
         start = _monotonic_ns()
         sb = session_scope_bytes(session, scope)
-        if not 0 <= keep_turns < M.NO_LIMIT:
-            raise InvalidRequest(f"keep_turns must be between 0 and {M.NO_LIMIT - 1}")
+        if not _is_count(keep_turns, _NO_LIMIT):
+            raise InvalidRequest(f"keep_turns must be an integer between 0 and {_NO_LIMIT - 1}")
         t = self._channel(timeout)
         n = M.encode_scoped(t.request_buffer, keep_turns, 0, sb)
         resp = self._call(t, Op.TRIM, 0, n, timeout, start)
@@ -1007,8 +1009,10 @@ class Client:
     ) -> int:
         """Sets ``key`` only if its version is ``expected_version`` (0: only if it does not
         exist); returns the new version. Conflict otherwise, naming the current version."""
-        if not 0 <= expected_version < 1 << 63:
-            raise InvalidRequest(f"expected_version must be >= 0, got {expected_version}")
+        if not _is_count(expected_version, 1 << 63):
+            raise InvalidRequest(
+                f"expected_version must be an integer >= 0, got {expected_version!r}"
+            )
         return self._state_value(Op.STATE_CAS, key, value, expected_version, scope, timeout)
 
     def _state_value(
@@ -1085,10 +1089,10 @@ class Client:
         objects. A session without a log (or outside ``scope``) has none: []. Fetched in
         pages as large as the channel arena holds."""
         sb = session_scope_bytes(session, scope)
-        if not 0 <= since < 1 << 63:
-            raise InvalidRequest(f"since must be >= 0, got {since}")
-        if limit is not None and not 0 <= limit < M.NO_LIMIT:
-            raise InvalidRequest(f"limit must be between 0 and {M.NO_LIMIT - 1}, or None")
+        if not _is_count(since, 1 << 63):
+            raise InvalidRequest(f"since must be an integer >= 0, got {since!r}")
+        if limit is not None and not _is_count(limit, _NO_LIMIT):
+            raise InvalidRequest(f"limit must be an integer between 0 and {_NO_LIMIT - 1}, or None")
         out: list[Event] = []
         while limit is None or len(out) < limit:
             start = _monotonic_ns()
@@ -1223,8 +1227,15 @@ def _token_ids(tokens: np.ndarray | Sequence[int]) -> np.ndarray:
 
 
 def _check_count(name: str, value: object) -> None:
-    if not isinstance(value, (int, np.integer)) or not 0 <= value < _NO_LIMIT:
+    if not _is_count(value, _NO_LIMIT):
         raise InvalidRequest(f"{name} must be an integer between 0 and {_NO_LIMIT - 1}")
+
+
+def _is_count(value: object, limit: int) -> bool:
+    """Whether ``value`` is an integer (numpy's too, not a bool) from 0 to ``limit`` - 1."""
+    if type(value) is int or (isinstance(value, (int, np.integer)) and type(value) is not bool):
+        return bool(0 <= value < limit)
+    return False
 
 
 def _on_gpu(device: str | None) -> bool:
