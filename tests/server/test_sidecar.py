@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -144,6 +145,25 @@ def test_a_second_sidecar_of_the_same_name_is_refused(sidecar: Start) -> None:
         assert client.stats()["pid"] == first.process.pid
     with first.connect(timeout=TIMEOUT) as again:  # and it still accepts new clients
         again.ping()
+
+
+@pytest.mark.parametrize("flag", ["--data-dir", "--runtime-dir"])
+def test_a_directory_it_cannot_use_is_refused_at_once(tmp_path: Path, flag: str) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    for path, why in [
+        (a_file, "it is not a directory"),
+        (a_file / "below", "Not a directory"),
+        ("/proc/no-such-dir", "No such file or directory"),
+    ]:
+        args = ["serve", "--name", "dirs", "--dim", str(DIM), flag, str(path)]
+        if flag != "--runtime-dir":
+            args += ["--runtime-dir", str(tmp_path / "rt")]
+        done = kalos_cli(*args)
+        assert done.returncode == 2, done.stderr
+        what = "data directory" if flag == "--data-dir" else "runtime directory"
+        assert f"kalos: cannot use {path} as the {what}: {why}" in done.stderr
+        assert "Traceback" not in done.stderr
 
 
 def test_sidecars_of_different_names_share_a_directory(sidecar: Start) -> None:

@@ -80,11 +80,22 @@ def use_kernel_cache(config: SidecarConfig) -> str | None:
     when a kernel compiles); returns it, or None for Triton's default."""
     path = kernel_cache_dir(config)
     if path is not None:
-        if config.data_dir is not None:  # private, as the durability makes it
-            os.makedirs(config.data_dir, mode=0o700, exist_ok=True)
-        os.makedirs(path, mode=0o700, exist_ok=True)
+        prepare_dir(path, "kernel cache directory")
         os.environ["TRITON_CACHE_DIR"] = path
     return path
+
+
+def prepare_dir(path: str, what: str) -> None:
+    """Creates directory ``path`` (0700) where it is missing. ConfigError, naming the OS's
+    reason, when it cannot be made or this process cannot write in it."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except FileExistsError:
+        raise ConfigError(f"cannot use {path} as the {what}: it is not a directory") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot use {path} as the {what}: {exc.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot use {path} as the {what}: this user cannot write in it")
 
 
 def prepare_runtime_dir(path: str, traversable: bool = False) -> None:
@@ -92,7 +103,7 @@ def prepare_runtime_dir(path: str, traversable: bool = False) -> None:
 
     ``traversable`` (other uids are allowed in): others may pass through it (0711) to reach
     the socket, but never list or write it."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
+    prepare_dir(path, "runtime directory")
     st = os.stat(path)
     if st.st_uid != os.getuid():
         raise ConfigError(f"{path} belongs to uid {st.st_uid}, not to this user")
@@ -139,6 +150,10 @@ class Sidecar:
         # A second sidecar of the same name: say so first, before anything else it would
         # start (the admin port's warning, an index, shared memory) hides the cause.
         check_socket_free(self.path)
+        # Directories it cannot use: said now, not after a recovery or a load.
+        prepare_runtime_dir(runtime_dir(config.runtime_dir), bool(config.allowed_uids))
+        if config.data_dir is not None:
+            prepare_dir(config.data_dir, "data directory")
         # Where compiled GPU kernels are cached (before any compiles): a restart loads them.
         self.kernel_cache_dir = use_kernel_cache(config)
         self.warm_seconds: float | None = None  # a cuda sidecar's warm-up (GpuSearch.warm)
@@ -338,9 +353,6 @@ class Sidecar:
 
     def _open(self) -> None:
         threading.Thread(target=self._beat, name="kalos-heartbeat", daemon=True).start()
-        prepare_runtime_dir(
-            runtime_dir(self.config.runtime_dir), traversable=bool(self.config.allowed_uids)
-        )
         claim_socket(self.path)
         self.listener = Listener(
             self.config,
