@@ -241,6 +241,18 @@ def test_ids_at_int64s_bounds_and_unsigned_ones_that_fit(served: Served) -> None
     assert_serving(served)
 
 
+def test_scope_fields_that_are_no_str_are_refused(served: Served) -> None:
+    for scope in (Scope(123), Scope("acme", b"user"), Scope(None, None, 7)):  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequest, match="must each be a str or None"):
+            served.one.add(np.ones((1, DIM)), [1], scope=scope)
+        with pytest.raises(InvalidRequest, match="must each be a str or None"):
+            served.one.search(np.ones(DIM), k=1, scope=scope)
+    with pytest.raises(InvalidRequest, match="must each be a str or None"):
+        served.one.append_turn("s", "user", "hi", tokens=[1], scope=Scope(5))  # type: ignore[arg-type]
+    assert served.one.stats()["items"] == DIM
+    assert_serving(served)
+
+
 def test_counts_that_are_no_integers_are_refused(served: Served) -> None:
     one = served.one
     one.append_turn("s", "user", "hello", tokens=[1, 2])

@@ -1184,7 +1184,10 @@ def scope_bytes(scope: Scope | None) -> M.ScopeBytes:
         return M.EMPTY_SCOPE
     if not isinstance(scope, Scope):
         raise InvalidRequest("scope must be a kalos.Scope(tenant, user, session)")
-    return M.encode_scope_fields(scope)
+    try:
+        return M.encode_scope_fields(scope)
+    except AttributeError:  # a field that is no str: it has no encode
+        raise _bad_scope_field(scope) from None
 
 
 def session_scope_bytes(session: str, scope: Scope | None) -> M.ScopeBytes:
@@ -1197,8 +1200,17 @@ def session_scope_bytes(session: str, scope: Scope | None) -> M.ScopeBytes:
         raise InvalidRequest("scope must be a kalos.Scope(tenant, user, session)")
     if scope.session is not None and scope.session != session:
         raise InvalidRequest(f"the scope names session {scope.session!r}, not {session!r}")
-    return M.ScopeBytes(
-        (scope.tenant or "").encode(), (scope.user or "").encode(), session.encode()
+    try:
+        return M.ScopeBytes(
+            (scope.tenant or "").encode(), (scope.user or "").encode(), session.encode()
+        )
+    except AttributeError:
+        raise _bad_scope_field(scope) from None
+
+
+def _bad_scope_field(scope: Scope) -> InvalidRequest:
+    return InvalidRequest(
+        f"a scope's tenant, user and session must each be a str or None; got {scope!r}"
     )
 
 
