@@ -253,6 +253,17 @@ def test_scope_fields_that_are_no_str_are_refused(served: Served) -> None:
     assert_serving(served)
 
 
+def test_a_filter_or_metadata_nested_past_pythons_limit_is_refused(served: Served) -> None:
+    deep: dict = {"a": 1}
+    for _ in range(5000):  # json.dumps recurses once a level: past the interpreter's limit
+        deep = {"$not": deep}
+    with pytest.raises(InvalidRequest, match="filter cannot be sent as JSON"):
+        served.one.search(np.ones(DIM), k=1, where=deep)
+    with pytest.raises(InvalidRequest, match="metadata 0 cannot be stored"):
+        served.one.add(np.ones((1, DIM)), [1], metadata=[deep])
+    assert_serving(served)
+
+
 def test_counts_that_are_no_integers_are_refused(served: Served) -> None:
     one = served.one
     one.append_turn("s", "user", "hello", tokens=[1, 2])

@@ -1369,7 +1369,7 @@ def _meta_json(
         m = None if metadata is None else check_metadata(metadata[i], i)
         try:
             meta_out.append(b"null" if m is None else json.dumps(m, allow_nan=False).encode())
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RecursionError) as exc:  # (nested past Python's limit)
             raise InvalidRequest(f"metadata {i} cannot be stored: {exc}") from None
     key_out = [b"null"] * n if keys is None else [json.dumps(k).encode() for k in keys]
     return meta_out, key_out

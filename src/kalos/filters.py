@@ -191,7 +191,7 @@ def dumps(where: object) -> bytes:
         return where.encode() if isinstance(where, str) else where
     try:
         raw = json.dumps(where, separators=(",", ":"), allow_nan=False).encode()
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:  # (nested past Python's limit)
         raise InvalidRequest(f"filter cannot be sent as JSON: {exc}") from None
     parse(raw)
     return raw
