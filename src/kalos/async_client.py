@@ -22,6 +22,7 @@ import asyncio
 import collections
 import contextvars
 import functools
+import os
 import queue
 import threading
 import time
@@ -139,6 +140,11 @@ class _Completions:
     def __init__(self, done: weakref.WeakMethod) -> None:
         # weak: no cycle through it keeps a dropped AsyncClient (and its threads) alive
         self._done = done
+        self.reset()
+
+    def reset(self) -> None:
+        """Nothing handed back (made new in a fork's child: no result of the parent's is
+        the child's, and a lock held by a parent's thread at the fork stays held)."""
         # loop -> [its results, whether a drain is scheduled]
         self._queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[Any]] = (
             weakref.WeakKeyDictionary()
@@ -183,6 +189,11 @@ class _ChannelThreads:
     def __init__(self, limit: int, run: weakref.WeakMethod) -> None:
         self.limit = limit
         self._run = run  # weak: the threads never keep their AsyncClient alive
+        self.reset()
+
+    def reset(self) -> None:
+        """No thread and no job (made new in a fork's child, where no thread of the parent
+        runs: a job queued for one would wait out its deadline)."""
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._idle = threading.Semaphore(0)  # released by a thread when it waits for a job
         self._threads: list[threading.Thread] = []
@@ -231,6 +242,18 @@ def _serve(
         method(job)
         del job, method
         idle.release()
+
+
+# Every AsyncClient of this process, for os.register_at_fork below.
+_live_clients: weakref.WeakSet[AsyncClient] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for client in list(_live_clients):
+        client._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _no_op(client: Client, *, timeout: float) -> None:
@@ -315,6 +338,16 @@ class AsyncClient:
         self._threads = _ChannelThreads(max_channels, weakref.WeakMethod(self._run))
         self._completions = _Completions(weakref.WeakMethod(self._done))
         weakref.finalize(self, self._threads.stop)
+        _live_clients.add(self)  # made new in a fork's child (_forked)
+
+    def _forked(self) -> None:
+        """In a fork's child: no channel thread of the parent's runs here and no call of
+        its is this process's; the private sync client lets go of its channels itself
+        (Client._forked), and the next call starts threads of this process."""
+        self._threads.reset()
+        self._completions.reset()
+        self._client_lock = threading.Lock()
+        self._in_flight = 0
 
     # -- the sync client, on a channel thread ------------------------------------------------
 

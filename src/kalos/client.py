@@ -15,6 +15,7 @@ to the sidecar of the same name once one is back (``Client.reconnects`` counts t
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import weakref
@@ -224,6 +225,17 @@ class Forgotten(NamedTuple):
 # and every call builds one. The same for Context, on the CONTEXT path.
 _new_tuple = tuple.__new__
 
+# Every Client of this process, for os.register_at_fork below.
+_live_clients: weakref.WeakSet[Client] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for client in list(_live_clients):
+        client._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
 
 class Client:
     """A connection to one sidecar, safe to share between threads (one channel per thread).
@@ -285,6 +297,7 @@ class Client:
         self._lock = threading.Lock()
         self._closed = False
         self._info: dict[str, Any] = {}
+        _live_clients.add(self)  # its channels are let go of in a fork's child (_forked)
         self._channel()  # connect now: fail fast when no sidecar runs
 
     # -- channels ----------------------------------------------------------------------------
@@ -329,6 +342,20 @@ class Client:
                 f"{what} needs protocol 1.{minor}; the sidecar speaks {proto[0]}.{proto[1]}: "
                 "upgrade the sidecar"
             )
+
+    def _forked(self) -> None:
+        """In a fork's child: every channel open at the fork is its parent's (the same shared
+        memory and socket: both would answer on it), so each is let go of untouched, and this
+        process's calls open channels of their own."""
+        for lent in list(self._lents):
+            lent.abandon()
+        for t in list(self._transports):
+            t.abandon()
+        self._transports = weakref.WeakSet()
+        self._lents = weakref.WeakSet()
+        self._local = threading.local()
+        self._lock = threading.Lock()  # another thread of the parent may have held it
+        self._recording = 0
 
     def _forget(self, t: Transport, lent: Lent) -> None:
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import os
 from typing import Any
 
 import numpy as np
@@ -76,8 +77,22 @@ class Transport(abc.ABC):
     def close(self) -> None:
         """Releases the channel. Idempotent."""
 
+    def abandon(self) -> None:
+        """In a fork's child: lets go of this channel, which stays its parent's. Nothing the
+        parent still uses is touched (a close would shut their shared socket down); this
+        process's copies of its descriptors and mappings go with the object."""
+        self._closed = True
+
+    # The process that opened it (0: not a process's own, as the in-process transport): in a
+    # fork's child it is the parent's, never closed there (see abandon).
+    _pid = 0
+
     def __del__(self) -> None:
         # A channel dropped without close (its thread ended) still releases its socket and
-        # mappings, so the sidecar frees the channel.
+        # mappings, so the sidecar frees the channel. Not in a fork's child: there the
+        # threads' channels other than the forking one's are dropped before any at-fork
+        # hook of ours runs, and a close would shut the parent's socket down.
+        if self._pid and self._pid != os.getpid():
+            return
         with contextlib.suppress(Exception):
             self.close()

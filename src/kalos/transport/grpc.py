@@ -21,6 +21,7 @@ too) is RequestTimeout. Either breaks the transport; the client opens a new one.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,7 @@ class GrpcTransport(Transport):
 
     def __init__(self, channel: grpc.Channel, target: str, info: dict[str, Any]) -> None:
         arena = int(info["arena_bytes"])
+        self._pid = os.getpid()  # Transport.__del__
         self.server_info = info
         self.target = target
         self._channel = channel

@@ -10,6 +10,7 @@ in-process transport nothing is lent: :data:`NOTHING`.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -50,8 +51,8 @@ class Lent:
     """
 
     __slots__ = (
-        "__weakref__", "_beat", "_closed", "_keep", "_over", "_state", "_view", "gpu", "heap",
-        "sessions",
+        "__weakref__", "_beat", "_closed", "_keep", "_over", "_pid", "_state", "_view", "gpu",
+        "heap", "sessions",
     )  # fmt: skip
 
     def __init__(
@@ -69,6 +70,7 @@ class Lent:
         self.gpu = gpu
         self._over = over
         self._closed = False
+        self._pid = os.getpid()  # in a fork's child, the regions stay the parent's
         # The views keep both segments mapped while this holds their addresses.
         self._keep = (control, channel)
         if self.sessions is not None and control is not None and channel is not None:
@@ -117,9 +119,17 @@ class Lent:
             self._beat = self._state = self._view = 0
             self._over = None
 
+    def abandon(self) -> None:
+        """In a fork's child: the regions stay the parent's (Transport.abandon); nothing is
+        given back, and this process's mappings go with the object."""
+        self._closed = True
+
     def __del__(self) -> None:
         # Dropped without close (its thread ended): the GPU buffer is unmapped before the
-        # transport it holds (``over``) closes its socket.
+        # transport it holds (``over``) closes its socket. Not in a fork's child (as
+        # Transport.__del__): the regions are the parent's.
+        if self._pid != os.getpid():
+            return
         try:  # noqa: SIM105 - at interpreter exit the module's globals (contextlib) may be gone
             self.close()
         except Exception:

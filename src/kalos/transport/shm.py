@@ -161,6 +161,7 @@ class ShmTransport(Transport):
     ) -> None:
         """The channel ``chan`` with its control segment ``ctrl`` (see :func:`open_shm`)."""
         self._ctrl = ctrl
+        self._pid = os.getpid()  # Transport.__del__
         self._chan = chan
         self._sock = sock
         self.server_info = info

@@ -8,6 +8,7 @@ request; the body buffers are allocated once.
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import time
 from typing import Any
@@ -39,6 +40,7 @@ class UdsTransport(Transport):
 
     def __init__(self, sock: socket.socket, info: dict[str, Any]) -> None:
         arena = int(info["arena_bytes"])
+        self._pid = os.getpid()  # Transport.__del__
         self.server_info = info
         self._sock = sock
         self._out = np.zeros(L.REQ_FRAME.size + arena, np.uint8)
