@@ -119,3 +119,21 @@ def test_an_async_client_used_across_fork_answers_every_process_exactly(
     assert wrong == [0] * (CHILDREN + 1)
     assert asyncio.run(searches(5)) == 0
     asyncio.run(ac.close())
+
+
+def test_a_client_says_how_to_reach_another_process_instead_of_pickling(
+    sidecar: Callable[..., RunningSidecar],
+) -> None:
+    import pickle
+
+    running = sidecar(dim=DIM, name="pickled")
+    client = running.connect(timeout=TIMEOUT)
+    ac = kalos.AsyncClient(running.name, runtime_dir=running.runtime_dir)
+    for c in (client, ac):
+        with pytest.raises(TypeError, match="cannot be pickled: pass its name and options"):
+            pickle.dumps(c)
+    again = kalos.connect(client.name, options=client.options)  # what it says to do
+    assert again.stats()["name"] == "pickled"
+    again.close()
+    client.close()
+    asyncio.run(ac.close())

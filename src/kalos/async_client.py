@@ -505,6 +505,13 @@ class AsyncClient:
     async def __aenter__(self) -> AsyncClient:
         return await self.connect()
 
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "a kalos.AsyncClient holds this process's channels and threads and cannot be "
+            "pickled: pass its name and options (client.name, client.options) and connect in "
+            "the other process (one made before os.fork() works in the child as it is)"
+        )
+
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 

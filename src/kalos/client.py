@@ -1199,6 +1199,13 @@ class Client:
             for t in transports:
                 t.close()
 
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "a kalos.Client holds this process's channels and cannot be pickled: pass its "
+            "name and options (client.name, client.options) and connect in the other process "
+            "(a client made before os.fork() works in the child as it is)"
+        )
+
     def __enter__(self) -> Client:
         return self
 
