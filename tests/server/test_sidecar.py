@@ -166,6 +166,31 @@ def test_a_directory_it_cannot_use_is_refused_at_once(tmp_path: Path, flag: str)
         assert "Traceback" not in done.stderr
 
 
+def test_a_closed_channel_gives_its_segment_back_at_once(sidecar: Start) -> None:
+    """Each channel's segment (2 arenas: 2 MiB by default) is mapped, and a descriptor of it
+    open, until the sidecar drops the channel: at its disconnect, not at some later full
+    garbage collection (a reference cycle held them: 40-120 of them after 2,000 connects)."""
+    running = sidecar(name="churn")
+
+    def channel_segments() -> int:
+        fd_dir = f"/proc/{running.process.pid}/fd"
+        links = []
+        for fd in os.listdir(fd_dir):
+            with contextlib.suppress(OSError):
+                links.append(os.readlink(f"{fd_dir}/{fd}"))
+        return sum(link.startswith("/memfd:kalos-channel") for link in links)
+
+    for _ in range(100):
+        with running.connect(timeout=TIMEOUT) as client:
+            client.ping()
+    # each disconnect ends on its listener thread; the poller's loop may still hold the
+    # last channel it swept
+    deadline = time.monotonic() + TIMEOUT
+    while channel_segments() > 1:
+        assert time.monotonic() < deadline, f"{channel_segments()} segments still open"
+        time.sleep(0.01)
+
+
 def test_sidecars_of_different_names_share_a_directory(sidecar: Start) -> None:
     a = sidecar(name="a")
     b = sidecar(name="b", runtime_dir=a.runtime_dir, dim=3)

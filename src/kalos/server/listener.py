@@ -237,6 +237,9 @@ class Listener:
                 self.disconnects += 1
             if ch.reader is not None and self.heap is not None:
                 self.heap.detach(ch)  # its views are gone with it: it pins nothing now
+            # ``reader`` is the channel itself: a cycle, which would keep its segment
+            # mapped (and a descriptor of it open) until the next full garbage collection
+            ch.reader = None
             self._release_gpu(ch)
 
     def _release_gpu(self, ch: ServerChannel) -> None:
