@@ -191,6 +191,88 @@ def test_a_closed_channel_gives_its_segment_back_at_once(sidecar: Start) -> None
         time.sleep(0.01)
 
 
+def test_out_of_descriptors_it_refuses_clearly_and_serves_again(tmp_path: Path) -> None:
+    """With its open-file limit spent (here a hard limit of 48), a client the sidecar cannot
+    give a channel gets a ConnectError saying so, or waits in the listen queue until its
+    deadline; once channels close, the next client is served: the listener never stops (a
+    failed accept used to end it for good, and every later client timed out)."""
+    import resource
+
+    from kalos.testing import serve_command, wait_for_socket
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48))
+
+    cmd = serve_command("fds", DIM, str(tmp_path), "--admin-port", "0")
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, preexec_fn=limit)
+    path = str(tmp_path / "fds.sock")
+    try:
+        wait_for_socket(path, proc)
+        client = kalos.connect("fds", runtime_dir=str(tmp_path), timeout=2.0)
+        results: list[str] = []
+        hold = threading.Event()
+
+        def a_channel_held() -> None:
+            try:
+                client.ping()
+                results.append("ok")
+            except ConnectError as exc:
+                results.append(str(exc))
+            hold.wait()
+
+        threads = [threading.Thread(target=a_channel_held) for _ in range(60)]
+        for t in threads:
+            t.start()
+        while len(results) < len(threads):
+            time.sleep(0.01)
+        assert 0 < results.count("ok") < len(threads)
+        refusals = [r for r in results if r != "ok"]
+        assert any("could not open a channel: Too many open files" in r for r in refusals)
+        hold.set()
+        for t in threads:
+            t.join()
+        deadline = time.monotonic() + TIMEOUT  # the channels close on the listener's threads
+        while True:
+            try:
+                with kalos.connect("fds", runtime_dir=str(tmp_path), timeout=2.0) as again:
+                    again.ping()
+                break
+            except ConnectError:
+                assert time.monotonic() < deadline
+        assert proc.poll() is None
+        client.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=TIMEOUT)
+    assert b"Traceback" not in err
+
+
+def test_it_raises_its_soft_open_file_limit_to_what_its_channels_need(tmp_path: Path) -> None:
+    import resource
+
+    from kalos.server.sidecar import OPEN_FILES_BESIDE_CHANNELS
+    from kalos.testing import serve_command, wait_for_socket
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    want = 300 + OPEN_FILES_BESIDE_CHANNELS
+    if hard != resource.RLIM_INFINITY and hard < want:
+        pytest.skip(f"this process's hard open-file limit is {hard}")
+
+    def low_soft_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+
+    cmd = serve_command("nofile", DIM, str(tmp_path), "--admin-port", "0", "--max-channels", "300")
+    proc = subprocess.Popen(cmd, preexec_fn=low_soft_limit)
+    try:
+        wait_for_socket(str(tmp_path / "nofile.sock"), proc)
+        with open(f"/proc/{proc.pid}/limits") as f:
+            line = next(x for x in f if x.startswith("Max open files"))
+        assert int(line.split()[3]) == want
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(TIMEOUT)
+
+
 def test_sidecars_of_different_names_share_a_directory(sidecar: Start) -> None:
     a = sidecar(name="a")
     b = sidecar(name="b", runtime_dir=a.runtime_dir, dim=3)

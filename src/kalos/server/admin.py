@@ -134,11 +134,11 @@ class SidecarCollector:
         refusals = CounterMetricFamily(
             "kalos_client_rejections",
             "Handshakes turned away: peer (uid/gid not allowed), starting (recovering), busy "
-            "(too many channels)",
+            "(too many channels), resources (out of open files or memory)",
             labels=("reason",),
         )
         refusals.add_metric(("peer",), listener.refused if listener else 0)
-        for reason in ("starting", "busy"):
+        for reason in ("starting", "busy", "resources"):
             refusals.add_metric((reason,), rejected.get(reason, 0))
         yield refusals
         grpc = getattr(sc, "grpc", None)

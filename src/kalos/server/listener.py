@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import itertools
 import logging
 import os
@@ -48,6 +49,10 @@ log = logging.getLogger("kalos.server")
 
 HANDSHAKE_TIMEOUT_S = 5.0
 STARTING_HOLD_S = 2.0  # below the client's default 5 s deadline
+# After a failed accept (out of descriptors or memory): the pause before the next; and the
+# least time between two warnings of a failure for want of room (accepting, or a channel)
+ACCEPT_RETRY_S = 0.05
+ACCEPT_WARN_EVERY_S = 10.0
 _PEERCRED = struct.Struct("3i")
 
 
@@ -95,6 +100,9 @@ class Listener:
         self.uds_connections = 0
         self.disconnects = 0  # accepted connections that ended
         self.rejected: collections.Counter[str] = collections.Counter()  # handshakes, by error
+        self.accept_errors = 0  # accepts that failed (the listener went on)
+        self._closing = False
+        self._warned = -ACCEPT_WARN_EVERY_S  # when _warn_out_of_room last logged
         self.metrics: Metrics | None = None  # request metrics (kalos.server.admin), if served
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(path)
@@ -111,6 +119,7 @@ class Listener:
 
     def close(self) -> None:
         """Stops accepting and disconnects every client (they see EOF: SidecarGone)."""
+        self._closing = True
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
@@ -121,12 +130,30 @@ class Listener:
                 conn.shutdown(socket.SHUT_RDWR)
         self._thread.join(timeout=2)
 
+    def _warn_out_of_room(self, message: str, *args: object) -> None:
+        """Logs a failure for want of descriptors or memory, at most once a while: a client
+        retrying in a loop would otherwise flood the log."""
+        now = time.monotonic()
+        if now - self._warned >= ACCEPT_WARN_EVERY_S:
+            self._warned = now
+            log.warning(message, *args)
+
     def _accept_loop(self) -> None:
         while True:
             try:
                 conn, _ = self._sock.accept()
-            except OSError:
-                return  # closed
+            except OSError as exc:
+                if self._closing:
+                    return
+                # Out of descriptors (EMFILE) or memory, or a connection that went away
+                # before it was accepted: the listener goes on, or no client could ever
+                # connect again; the connections waiting are accepted once there is room.
+                self.accept_errors += 1
+                files = exc.errno in (errno.EMFILE, errno.ENFILE)
+                hint = "; raise the open-file limit (ulimit -n, LimitNOFILE)" if files else ""
+                self._warn_out_of_room("accepting a connection failed (%s): retrying%s", exc, hint)
+                time.sleep(ACCEPT_RETRY_S)
+                continue
             threading.Thread(
                 target=self._serve_connection, args=(conn,), name="kalos-conn", daemon=True
             ).start()
@@ -187,7 +214,17 @@ class Listener:
                 if stats is not None and self.metrics is not None:
                     self.metrics.retire(stats)
             return
-        ch = ServerChannel(next(self._ids), self._epoch, reply["arena_bytes"])
+        try:
+            ch = ServerChannel(next(self._ids), self._epoch, reply["arena_bytes"])
+        except OSError as exc:  # out of descriptors (memfd_create) or of memory
+            self.rejected["resources"] += 1
+            self._warn_out_of_room("could not open a channel: %s (refused the client)", exc)
+            message = (
+                f"the sidecar could not open a channel: {exc.strerror}; raise its open-file "
+                "limit (ulimit -n) or lower --max-channels"
+            )
+            send_message(conn, {"ok": False, "error": "resources", "message": message})
+            return
         reply["channel_id"] = ch.id
         reply["gpu"] = None
         served = False

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import resource
 import secrets
 import socket
 import threading
@@ -58,6 +59,7 @@ log = logging.getLogger("kalos.server")
 # period can rely on (Kubernetes' default is 30 s, an operator's often 5-10).
 STOP_BUDGET_S = 4.0
 KERNEL_CACHE = "kernel-cache"  # Triton's cache directory under --data-dir
+OPEN_FILES_BESIDE_CHANNELS = 256  # descriptors a sidecar may hold besides its channels
 
 
 def kernel_cache_dir(config: SidecarConfig) -> str | None:
@@ -83,6 +85,27 @@ def use_kernel_cache(config: SidecarConfig) -> str | None:
         prepare_dir(path, "kernel cache directory")
         os.environ["TRITON_CACHE_DIR"] = path
     return path
+
+
+def raise_open_file_limit(max_channels: int) -> int:
+    """Raises this process's soft limit of open files (up to its hard limit) to what
+    ``max_channels`` channels need: a socket each, and descriptors besides (the log, the
+    admin endpoint, a channel's segment while it is handed over). The usual soft limit, 1024,
+    is below what the default 1,024 channels need. Returns the limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = max_channels + OPEN_FILES_BESIDE_CHANNELS
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        if new > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+            soft = new
+        if soft < want:
+            log.warning(
+                "the open-file limit (%d, hard %d) is below what %d channels need (%d): "
+                "raise it (ulimit -n, LimitNOFILE) or lower --max-channels",
+                soft, hard, max_channels, want,
+            )  # fmt: skip
+    return soft
 
 
 def prepare_dir(path: str, what: str) -> None:
@@ -150,6 +173,7 @@ class Sidecar:
         # A second sidecar of the same name: say so first, before anything else it would
         # start (the admin port's warning, an index, shared memory) hides the cause.
         check_socket_free(self.path)
+        raise_open_file_limit(config.max_channels)  # or the listener runs out (EMFILE)
         # Directories it cannot use: said now, not after a recovery or a load.
         prepare_runtime_dir(runtime_dir(config.runtime_dir), bool(config.allowed_uids))
         if config.data_dir is not None:
