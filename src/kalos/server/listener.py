@@ -154,9 +154,14 @@ class Listener:
                 self._warn_out_of_room("accepting a connection failed (%s): retrying%s", exc, hint)
                 time.sleep(ACCEPT_RETRY_S)
                 continue
-            threading.Thread(
-                target=self._serve_connection, args=(conn,), name="kalos-conn", daemon=True
-            ).start()
+            try:
+                threading.Thread(
+                    target=self._serve_connection, args=(conn,), name="kalos-conn", daemon=True
+                ).start()
+            except RuntimeError as exc:  # no thread to be had (a pids limit): this client
+                conn.close()  # sees the connection end, and the listener goes on
+                self.accept_errors += 1
+                self._warn_out_of_room("could not start a connection's thread: %s", exc)
 
     def _serve_connection(self, conn: socket.socket) -> None:
         with self._conns_lock:
