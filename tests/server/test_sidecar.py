@@ -247,6 +247,35 @@ def test_out_of_descriptors_it_refuses_clearly_and_serves_again(tmp_path: Path) 
     assert b"Traceback" not in err
 
 
+def test_a_connection_whose_thread_cannot_start_ends_and_the_listener_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kalos.server.listener as listener_module
+    from kalos.server import Sidecar, SidecarConfig
+
+    sidecar = Sidecar(SidecarConfig(name="threads", dim=DIM, runtime_dir=str(tmp_path),
+                                    admin_port=None)).start()  # fmt: skip
+    refused = [1]  # the next connection's thread does not start
+
+    class Thread(threading.Thread):
+        def start(self) -> None:
+            if self.name == "kalos-conn" and refused:
+                refused.pop()
+                raise RuntimeError("can't start new thread")
+            super().start()
+
+    monkeypatch.setattr(listener_module.threading, "Thread", Thread)
+    try:
+        with pytest.raises(ConnectError):
+            kalos.connect("threads", runtime_dir=str(tmp_path), timeout=5.0)
+        with kalos.connect("threads", runtime_dir=str(tmp_path), timeout=5.0) as client:
+            client.ping()
+        assert sidecar.listener is not None and sidecar.listener.accept_errors == 1
+    finally:
+        monkeypatch.undo()
+        sidecar.stop()
+
+
 def test_it_raises_its_soft_open_file_limit_to_what_its_channels_need(tmp_path: Path) -> None:
     import resource
 
