@@ -440,8 +440,9 @@ class WriteAheadLog:
         reason = "disk full" if full else "write failed"
         message = (
             f"{reason}: the write-ahead log could not be written ({exc.strerror or exc}); "
-            "the write is not acknowledged, writes are refused until space is freed, "
-            "reads are served"
+            "the write is not acknowledged and its outcome is unknown (applied in memory, it "
+            "is logged if space is freed before the sidecar stops): retry it once writes are "
+            "accepted; writes are refused until space is freed, reads are served"
         )
         log.error("%s", message)
         with self._cond:
