@@ -22,7 +22,6 @@ import asyncio
 import collections
 import contextvars
 import functools
-import os
 import queue
 import threading
 import time
@@ -32,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 
-from kalos.client import Client, Timings
+from kalos.client import Client, Timings, forked_in_child
 from kalos.errors import ClosedError, ConfigError, ConnectError
 from kalos.options import ClientOptions, ClientOptionsArgs, timeout_error
 from kalos.transport import Transport
@@ -244,18 +243,6 @@ def _serve(
         idle.release()
 
 
-# Every AsyncClient of this process, for os.register_at_fork below.
-_live_clients: weakref.WeakSet[AsyncClient] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for client in list(_live_clients):
-        client._forked()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
 def _no_op(client: Client, *, timeout: float) -> None:
     """The job of :meth:`AsyncClient.connect`: making the sync client is the work."""
 
@@ -338,7 +325,7 @@ class AsyncClient:
         self._threads = _ChannelThreads(max_channels, weakref.WeakMethod(self._run))
         self._completions = _Completions(weakref.WeakMethod(self._done))
         weakref.finalize(self, self._threads.stop)
-        _live_clients.add(self)  # made new in a fork's child (_forked)
+        forked_in_child(self)
 
     def _forked(self) -> None:
         """In a fork's child: no channel thread of the parent's runs here and no call of

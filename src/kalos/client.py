@@ -225,13 +225,19 @@ class Forgotten(NamedTuple):
 # and every call builds one. The same for Context, on the CONTEXT path.
 _new_tuple = tuple.__new__
 
-# Every Client of this process, for os.register_at_fork below.
-_live_clients: weakref.WeakSet[Client] = weakref.WeakSet()
+# What holds channels of this process (each Client and AsyncClient): in a fork's child its
+# ``_forked()`` lets go of them, since the channels open at the fork are the parent's.
+_channel_holders: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def forked_in_child(holder: Any) -> None:
+    """Has ``holder._forked()`` called in every fork's child of this process."""
+    _channel_holders.add(holder)
 
 
 def _after_fork_in_child() -> None:
-    for client in list(_live_clients):
-        client._forked()
+    for holder in list(_channel_holders):
+        holder._forked()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -297,7 +303,7 @@ class Client:
         self._lock = threading.Lock()
         self._closed = False
         self._info: dict[str, Any] = {}
-        _live_clients.add(self)  # its channels are let go of in a fork's child (_forked)
+        forked_in_child(self)
         self._channel()  # connect now: fail fast when no sidecar runs
 
     # -- channels ----------------------------------------------------------------------------
@@ -345,12 +351,9 @@ class Client:
 
     def _forked(self) -> None:
         """In a fork's child: every channel open at the fork is its parent's (the same shared
-        memory and socket: both would answer on it), so each is let go of untouched, and this
-        process's calls open channels of their own."""
-        for lent in list(self._lents):
-            lent.abandon()
-        for t in list(self._transports):
-            t.abandon()
+        memory and socket: both would answer on it), so each is dropped untouched (its
+        ``__del__`` closes nothing in another process than its own), and this process's
+        calls open channels of their own."""
         self._transports = weakref.WeakSet()
         self._lents = weakref.WeakSet()
         self._local = threading.local()

@@ -26,9 +26,11 @@ def timeout_error(timeout: object) -> InvalidRequest | None:
     """What is wrong with a call's ``timeout`` (seconds; None: the client's default): an
     InvalidRequest unless it is a number from 0 to :data:`MAX_TIMEOUT_S` (0: the deadline
     has passed already, a RequestTimeout of the call's own), else None."""
-    if timeout is None or (
-        isinstance(timeout, numbers.Real) and 0 <= float(timeout) <= MAX_TIMEOUT_S
-    ):
+    if timeout is None:
+        return None
+    # type() first: the numbers ABC's isinstance costs µs, and every AsyncClient call asks
+    real = type(timeout) is float or type(timeout) is int or isinstance(timeout, numbers.Real)
+    if real and 0 <= float(timeout) <= MAX_TIMEOUT_S:  # type: ignore[arg-type]
         return None
     return InvalidRequest(
         f"timeout must be a number of seconds from 0 to {MAX_TIMEOUT_S:g}, or None for the "

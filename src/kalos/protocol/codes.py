@@ -28,9 +28,8 @@ def check_k(k: object) -> int:
     on receipt. Raises InvalidRequest otherwise."""
     # type() first: isinstance against the numbers ABC alone measured 2.4 µs a call, this
     # 0.4 µs (a loaded 2-core VM), and every search pays it
-    if (type(k) is int or (isinstance(k, numbers.Integral) and not isinstance(k, bool))) and 1 <= (
-        n := int(k)
-    ) <= MAX_K:
+    integer = type(k) is int or (isinstance(k, numbers.Integral) and not isinstance(k, bool))
+    if integer and 1 <= (n := int(k)) <= MAX_K:  # type: ignore[call-overload]
         return n
     raise errors.InvalidRequest(f"k must be an integer between 1 and {MAX_K}, got {k!r}")
 

@@ -77,21 +77,16 @@ class Transport(abc.ABC):
     def close(self) -> None:
         """Releases the channel. Idempotent."""
 
-    def abandon(self) -> None:
-        """In a fork's child: lets go of this channel, which stays its parent's. Nothing the
-        parent still uses is touched (a close would shut their shared socket down); this
-        process's copies of its descriptors and mappings go with the object."""
-        self._closed = True
-
     # The process that opened it (0: not a process's own, as the in-process transport): in a
-    # fork's child it is the parent's, never closed there (see abandon).
+    # fork's child the channel is the parent's, and is never closed there (``__del__``).
     _pid = 0
 
     def __del__(self) -> None:
         # A channel dropped without close (its thread ended) still releases its socket and
-        # mappings, so the sidecar frees the channel. Not in a fork's child: there the
-        # threads' channels other than the forking one's are dropped before any at-fork
-        # hook of ours runs, and a close would shut the parent's socket down.
+        # mappings, so the sidecar frees the channel. Not in a fork's child, which drops the
+        # parent's channels (Client._forked; the other threads' go before any at-fork hook
+        # runs): a close there would shut the parent's socket down. Its own copies of the
+        # descriptors and mappings go with the objects.
         if self._pid and self._pid != os.getpid():
             return
         with contextlib.suppress(Exception):

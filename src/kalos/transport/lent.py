@@ -119,11 +119,6 @@ class Lent:
             self._beat = self._state = self._view = 0
             self._over = None
 
-    def abandon(self) -> None:
-        """In a fork's child: the regions stay the parent's (Transport.abandon); nothing is
-        given back, and this process's mappings go with the object."""
-        self._closed = True
-
     def __del__(self) -> None:
         # Dropped without close (its thread ended): the GPU buffer is unmapped before the
         # transport it holds (``over``) closes its socket. Not in a fork's child (as
